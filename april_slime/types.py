@@ -1,0 +1,167 @@
+"""The records that flow through the rollout side.
+
+prompts -> scheduler -> engine -> completed groups -> slime samples; partials -> buffer -> scheduler.
+
+A ``Trajectory`` is one sample of a prompt group as the scheduler sees it: prompt ids, the response
+generated so far over any number of generate calls ("stages"), the log-prob of every response token
+as reported by the engine at the time it was generated (so after resumption this *is* CoPRIS's
+concatenated log-prob vector), and the policy (weight) version that generated every token, stored
+run-length encoded. These records are plain data and JSON-serialisable, so the buffer can be saved
+with a checkpoint and loaded in another process.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class TrajectoryStatus(str, enum.Enum):
+    PENDING = "pending"  # never sent, or waiting to be resumed
+    RUNNING = "running"  # a generate call is in flight
+    COMPLETED = "completed"  # engine finished with "stop"
+    TRUNCATED = "truncated"  # engine finished with "length" (hit max_new_tokens)
+    ABORTED = "aborted"  # the last call was aborted; holds a partial response, resumable
+    FAILED = "failed"  # unrecoverable engine error after retries
+
+    @property
+    def finished(self) -> bool:
+        return self in (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED)
+
+
+@dataclass
+class Trajectory:
+    uid: str  # unique for the whole job: f"{group_uid}/{index_in_group}"
+    group_uid: str
+    index_in_group: int
+    prompt_ids: list[int]
+    max_new_tokens: int  # budget for the whole response, across every stage
+    sampling_seed: int  # fixed for the sample's life, so a resumed call continues the same stream
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    # run-length encoded policy version of every response token: [[version, count], ...]
+    version_runs: list[list[int]] = field(default_factory=list)
+    status: TrajectoryStatus = TrajectoryStatus.PENDING
+    finish_reason: str | None = None
+    num_calls: int = 0  # generate calls made (1 + number of resumptions)
+    num_aborts: int = 0
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.max_new_tokens - len(self.response_ids)
+
+    def input_ids(self) -> list[int]:
+        """What a (re)submission sends: prompt plus whatever was generated already."""
+        return self.prompt_ids + self.response_ids
+
+    def append(self, output_ids: list[int], logprobs: list[float], version: int) -> None:
+        """Append one stage's output; ``logprobs`` must be aligned one-to-one with ``output_ids``."""
+        if len(output_ids) != len(logprobs):
+            raise ValueError(f"{self.uid}: {len(output_ids)} tokens but {len(logprobs)} log-probs")
+        if not all(math.isfinite(lp) for lp in logprobs):
+            raise ValueError(f"{self.uid}: non-finite log-prob in engine output")
+        if not output_ids:
+            return
+        self.response_ids.extend(output_ids)
+        self.logprobs.extend(logprobs)
+        if self.version_runs and self.version_runs[-1][0] == version:
+            self.version_runs[-1][1] += len(output_ids)
+        else:
+            self.version_runs.append([version, len(output_ids)])
+
+    def token_versions(self) -> list[int]:
+        out: list[int] = []
+        for version, count in self.version_runs:
+            out.extend([version] * count)
+        return out
+
+    def oldest_version(self) -> int | None:
+        return min((v for v, _ in self.version_runs), default=None)
+
+    def staleness(self, current_version: int) -> int:
+        """Policy lag of the oldest generated token (0 for a sample with no tokens yet)."""
+        oldest = self.oldest_version()
+        return 0 if oldest is None else current_version - oldest
+
+    def offpolicy_tokens(self, current_version: int) -> int:
+        return sum(count for version, count in self.version_runs if version != current_version)
+
+    def reset(self) -> None:
+        """Forget everything generated (used when a stale group is restarted from its prompt)."""
+        self.response_ids, self.logprobs, self.version_runs = [], [], []
+        self.status, self.finish_reason = TrajectoryStatus.PENDING, None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "uid": self.uid,
+            "group_uid": self.group_uid,
+            "index_in_group": self.index_in_group,
+            "prompt_ids": list(self.prompt_ids),
+            "max_new_tokens": self.max_new_tokens,
+            "sampling_seed": self.sampling_seed,
+            "response_ids": list(self.response_ids),
+            "logprobs": list(self.logprobs),
+            "version_runs": [list(r) for r in self.version_runs],
+            "status": self.status.value,
+            "finish_reason": self.finish_reason,
+            "num_calls": self.num_calls,
+            "num_aborts": self.num_aborts,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Trajectory":
+        d = dict(d)
+        d["status"] = TrajectoryStatus(d["status"])
+        return cls(**d)
+
+
+@dataclass
+class Group:
+    """All ``n_samples_per_prompt`` trajectories of one prompt.
+
+    ``payload`` is opaque to the scheduler and buffer: the slime adapter keeps the prompt's slime
+    ``Sample`` objects (label, metadata, ...) there, so they come back out with the group. It must be
+    JSON-serialisable for the buffer to be saved (the adapter stores ``Sample.to_dict()`` output).
+    """
+
+    uid: str
+    prompt_ids: list[int]
+    trajectories: list[Trajectory]
+    created_version: int = 0  # policy version when the group was first scheduled
+    payload: Any = None
+    restarts: int = 0  # times the group was restarted from its prompt for staleness
+
+    @property
+    def complete(self) -> bool:
+        return all(t.status.finished for t in self.trajectories)
+
+    def unfinished(self) -> list[Trajectory]:
+        return [t for t in self.trajectories if not t.status.finished]
+
+    def finished(self) -> list[Trajectory]:
+        return [t for t in self.trajectories if t.status.finished]
+
+    def staleness(self, current_version: int) -> int:
+        return max((t.staleness(current_version) for t in self.trajectories), default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "uid": self.uid,
+            "prompt_ids": list(self.prompt_ids),
+            "trajectories": [t.to_dict() for t in self.trajectories],
+            "created_version": self.created_version,
+            "payload": self.payload,
+            "restarts": self.restarts,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Group":
+        d = dict(d)
+        d["trajectories"] = [Trajectory.from_dict(t) for t in d["trajectories"]]
+        return cls(**d)
