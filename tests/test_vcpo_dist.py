@@ -1,0 +1,150 @@
+"""VCPO cross-rank reductions on two gloo processes: DP sums of the OPOB sums and of the ESS
+statistics, TP sums of partial per-sample norms of a manually sharded model."""
+
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from april_slime.vcpo import (EssStats, PerSampleGradNorms, opob_baseline, reduce_per_sample_sq_norms,
+                              segment_ids_from_lengths)
+
+D, H = 6, 8
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Megatron's reduce_from_tensor_model_parallel_region: sum forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _CopyToTP(torch.autograd.Function):
+    """copy_to_tensor_model_parallel_region: identity forward, sum of input grads backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g)
+        return g
+
+
+class ColumnParallelLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(_CopyToTP.apply(x))
+
+
+class RowParallelLinear(nn.Linear):
+    def forward(self, x):
+        return _AllReduceSum.apply(nn.functional.linear(x, self.weight)) + self.bias
+
+
+class FullMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.up = nn.Linear(D, H)
+        self.down = nn.Linear(H, D)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class ShardedMLP(nn.Module):
+    def __init__(self, full: FullMLP, rank: int, world: int):
+        super().__init__()
+        h = H // world
+        rows = slice(rank * h, (rank + 1) * h)
+        self.norm = nn.LayerNorm(D).double()  # replicated: counted on TP rank 0 only
+        self.norm.load_state_dict(full.norm.state_dict())
+        self.up = ColumnParallelLinear(D, h).double()
+        self.down = RowParallelLinear(h, D).double()
+        with torch.no_grad():
+            self.up.weight.copy_(full.up.weight[rows])
+            self.up.bias.copy_(full.up.bias[rows])
+            self.down.weight.copy_(full.down.weight[:, rows])
+            self.down.bias.copy_(full.down.bias)  # replicated
+        for p in (self.up.weight, self.up.bias, self.down.weight):
+            p.tensor_model_parallel = True
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(self.norm(x))))
+
+
+def _per_sample_norms(model, x, seg, n, tp_rank=0, tp_size=1):
+    tracker = PerSampleGradNorms(model, tp_rank=tp_rank, tp_size=tp_size)
+    tracker.set_microbatch(seg, n)
+    model(x).pow(2).sum().backward()
+    tracker.remove()
+    return tracker.last_sq_norms.clone()
+
+
+def _worker(rank, world, port, results):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        full = FullMLP().double()
+        with torch.no_grad():
+            full.norm.weight.add_(0.2 * torch.randn(D, dtype=torch.float64))
+        lengths = [5, 2, 4]
+        x = torch.randn(3, 5, D, dtype=torch.float64)
+        seg = segment_ids_from_lengths(lengths, 5)
+        ref = _per_sample_norms(full, x, seg, 3)  # every rank computes the unsharded reference
+
+        # --- tensor parallel: partial norms of the shards add up to the full per-sample norms
+        sharded = ShardedMLP(full, rank, world)
+        partial = _per_sample_norms(sharded, x, seg, 3, tp_rank=rank, tp_size=world)
+        assert not torch.allclose(partial, ref)
+        total = reduce_per_sample_sq_norms(partial.clone())
+        torch.testing.assert_close(total, ref, rtol=1e-10, atol=0)
+
+        # --- data parallel: each rank holds different samples; the OPOB sums add up
+        rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.25, 0.0], dtype=torch.float64)
+        weights = torch.tensor([1.2, 0.4, 2.0, 0.9, 1.0, 0.1], dtype=torch.float64)
+        sq = torch.tensor([3.0, 1.0, 0.5, 2.0, 4.0, 7.0], dtype=torch.float64)
+        mine = slice(rank * 3, rank * 3 + 3)
+        n_i = weights[mine] ** 2 * sq[mine]
+        b, num, den = opob_baseline((rewards[mine] * n_i).sum(), n_i.sum())
+        b_ref = float((weights ** 2 * rewards * sq).sum() / (weights ** 2 * sq).sum())
+        assert abs(b - b_ref) < 1e-12, (b, b_ref)
+
+        # --- ESS statistics merged across ranks (one rank empty, as a non-last pipeline stage)
+        log_w = torch.tensor([0.3, -1.0, 700.0, 699.0], dtype=torch.float64)
+        stats = EssStats()
+        if rank == 0:
+            stats.add(log_w)
+        merged = stats.all_reduce()
+        full_stats = EssStats()
+        full_stats.add(log_w)
+        assert merged.count == 4 and abs(merged.ess_ratio - full_stats.ess_ratio) < 1e-12
+        results[rank] = "ok"
+    except Exception as exc:  # surfaced by the parent
+        results[rank] = repr(exc)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tp_and_dp_reductions_on_two_gloo_ranks():
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.start_processes(_worker, args=(2, _free_port(), results), nprocs=2, join=True, start_method="spawn")
+    assert dict(results) == {0: "ok", 1: "ok"}
