@@ -1,0 +1,417 @@
+"""slime loss hooks built on :mod:`april_slime.offpolicy`.
+
+Two entry points, loaded by slime from their import paths:
+
+* ``policy_loss`` for ``--loss-type custom_loss --custom-loss-function-path april_slime.loss.policy_loss``:
+  the whole policy loss (on_policy / copris / decoupled, token or GSPO sequence level, TIS/MIS at
+  token / sequence / geometric level), entropy and KL terms, and the metrics.
+* ``tis`` for ``--use-tis --custom-tis-function-path april_slime.loss.tis``: the lighter hook that
+  reweights the PPO loss slime has already computed. slime clips around the recomputed log-probs,
+  so this hook implements the ``decoupled`` mode (weight = pi_old / pi_rollout, corrected); with
+  ``--get-mismatch-metrics`` and without ``--use-tis`` it only reports metrics.
+
+Settings come from ``AprilConfig.from_args(args)`` (``april_is_mode``, ``april_is_level``,
+``april_is_correction``, ``april_is_low``, ``april_is_high``, ``april_loss_level``), read once per
+``args`` object. PPO clip bounds are slime's ``--eps-clip`` / ``--eps-clip-high`` / ``--eps-clip-c``.
+
+Layout. slime hands the loss per-sample lists. With context parallelism (CP) the log-probs,
+advantages and rollout log-probs are CP-local slices while ``loss_masks`` cover the whole response.
+Sequence-level quantities need whole responses, so the hooks gather every sample with slime's own
+CP helpers, compute on whole responses, and slice the per-token results back to the local layout
+that slime's ``sum_of_sample_mean`` expects. Without CP (or without slime) both layouts coincide.
+
+Metrics. slime sums every metric over micro-batches and data-parallel ranks and divides by the
+step's sample count (or token count with ``--calculate-per-token-loss``), so each metric here is a
+per-token quantity passed through ``sum_of_sample_mean``: the logged value is its mean over samples
+of the per-sample token mean. Non-additive statistics are reported through additive parts:
+
+* ``april/seq_weight`` and ``april/seq_weight_sq``: mean of the unclipped sequence weight
+  w = prod pi_old / pi_rollout and of w^2; the step's ESS ratio is
+  ``seq_weight**2 / seq_weight_sq`` (log-weights clamped to +-20 before exp).
+* ``april/ess_ratio_microbatch``: ESS/N of each micro-batch, averaged over samples.
+* ``april/ratio_max``: mean over samples of each sample's largest clip ratio.
+* per staleness bucket b (``stale0``, ``stale1``, ``stale2``, ``stale3+``): ``tokens`` is the mean
+  token fraction in the bucket, ``ratio_mass`` the same fraction weighted by pi_old / pi_rollout,
+  so ``ratio_mass / tokens`` is the bucket's mean behaviour ratio.
+
+Per-token policy versions reach the loss only through the repository's slime patch. They are read
+from ``batch["april_token_versions_rle"]`` (one ``[[version, count], ...]`` list per sample) or,
+failing that, from ``batch["metadata"][i]["april_token_versions_rle"]`` (``Sample.train_metadata``).
+Staleness is measured against ``metadata[i]["april_policy_version"]`` (the policy version the step
+trains) when present, otherwise against the newest token version in the micro-batch. Without
+versions the staleness metrics are left out; the loss itself never depends on them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from april_slime import offpolicy
+from april_slime.config import AprilConfig, AprilConfigError
+
+VERSIONS_KEY = "april_token_versions_rle"
+POLICY_VERSION_KEY = "april_policy_version"
+STALENESS_BUCKETS = ("stale0", "stale1", "stale2", "stale3+")
+PREFIX = "april/"
+
+_CONFIGS: dict[int, tuple[Any, AprilConfig]] = {}
+_MAX_CACHED_CONFIGS = 16
+
+
+def config_for(args: Any) -> AprilConfig:
+    """The validated settings of ``args``, built once per args object (slime passes the same one)."""
+    hit = _CONFIGS.get(id(args))
+    if hit is not None and hit[0] is args:
+        return hit[1]
+    config = AprilConfig.from_args(args)
+    config.check_against_slime(args)
+    if len(_CONFIGS) >= _MAX_CACHED_CONFIGS:
+        _CONFIGS.pop(next(iter(_CONFIGS)))
+    _CONFIGS[id(args)] = (args, config)
+    return config
+
+
+# ------------------------------------------------------------------------------------ layout
+def _context_parallel_size() -> int:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 1
+    try:
+        from megatron.core import mpu
+    except ImportError:
+        return 1
+    return mpu.get_context_parallel_world_size()
+
+
+class _Layout:
+    """Moves per-sample tensors between slime's CP-local slices and whole responses."""
+
+    def __init__(self, total_lengths: list[int] | None, response_lengths: list[int]):
+        self.total_lengths = total_lengths
+        self.response_lengths = [int(n) for n in response_lengths]
+        self.cp_size = _context_parallel_size()
+        if self.cp_size > 1 and total_lengths is None:
+            raise ValueError("context parallelism needs the samples' total_lengths")
+
+    def gather(self, local: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.cp_size == 1:
+            return list(local)
+        from slime.backends.megatron_utils.cp_utils import all_gather_with_cp
+
+        return [all_gather_with_cp(x, t, r) for x, t, r in zip(local, self.total_lengths, self.response_lengths,
+                                                                 strict=True)]
+
+    def to_local(self, whole_flat: torch.Tensor, packing: offpolicy.Packing) -> torch.Tensor:
+        """A flat whole-response tensor -> the flat CP-local tensor slime's reducer expects."""
+        if self.cp_size == 1:
+            return whole_flat
+        from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+
+        parts = [slice_log_prob_with_cp(x, t, r) for x, t, r in zip(packing.split(whole_flat), self.total_lengths,
+                                                                    self.response_lengths, strict=True)]
+        return torch.cat(parts) if parts else whole_flat[:0]
+
+
+# ------------------------------------------------------------------------------ log-probs
+def response_log_probs_from_logits(
+    logits: torch.Tensor,
+    unconcat_tokens: list[torch.Tensor],
+    total_lengths: list[int],
+    response_lengths: list[int],
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-sample response log-probs (and entropies) from packed logits ``[1, T, V]``, plain torch.
+
+    The position that predicts token j is j - 1, and logits are divided by the rollout temperature
+    first, as the engines sampled from softmax(logits / temperature). Used where slime is not
+    importable (tests, CPU); without tensor or context parallelism it gives the same numbers as
+    slime's ``get_log_probs_and_entropy``.
+    """
+    if logits.dim() != 3 or logits.size(0) != 1:
+        raise ValueError(f"expected logits of shape [1, T, V], got {tuple(logits.shape)}")
+    scaled = logits[0] / temperature if temperature != 1.0 else logits[0]
+    log_probs, entropies = [], []
+    end = 0
+    for tokens, total, response in zip(unconcat_tokens, total_lengths, response_lengths, strict=True):
+        total, response = int(total), int(response)
+        if response > 0 and total - response < 1:
+            raise ValueError("every sample needs at least one prompt token before its response")
+        end += total
+        if end - 1 > scaled.size(0):
+            raise ValueError(f"samples cover {end} positions but the logits have {scaled.size(0)}")
+        start = end - response
+        chunk = scaled[start - 1:end - 1] if response > 0 else scaled[:0]
+        targets = tokens[total - response:total].to(device=chunk.device, dtype=torch.long)
+        log_softmax = torch.log_softmax(chunk, dim=-1)
+        log_probs.append(log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+        if with_entropy:
+            entropies.append(-(log_softmax.exp() * log_softmax).sum(-1))
+    return log_probs, entropies
+
+
+def _slime_log_prob_helpers():
+    """slime's TP/CP-aware helpers when running inside a slime trainer, else None."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    try:
+        from slime.backends.megatron_utils.loss import get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs
+    except ImportError:
+        return None
+    return get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs
+
+
+def current_log_probs(args: Any, batch: dict, logits: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """log pi_theta of every response token and the token entropies, per sample (CP-local)."""
+    helpers = _slime_log_prob_helpers()
+    if helpers is not None:
+        get_log_probs_and_entropy, top_p_kwargs = helpers
+        _, out = get_log_probs_and_entropy(
+            logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+            response_lengths=batch["response_lengths"], with_entropy=True, **top_p_kwargs(args, batch))
+        return out["log_probs"], out["entropy"]
+    if getattr(args, "rollout_top_p", 1.0) != 1.0:
+        raise NotImplementedError("rollout top-p replay needs slime's log-prob helper; slime is not importable here")
+    return response_log_probs_from_logits(
+        logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"],
+        temperature=getattr(args, "rollout_temperature", 1.0), with_entropy=True)
+
+
+# ------------------------------------------------------------------------------ versions
+def token_versions(batch: dict, response_lengths: list[int]) -> tuple[list[torch.Tensor | None], list[int | None]] | None:
+    """Per-sample token versions (None where a sample has none) and reference versions, or None."""
+    runs = batch.get(VERSIONS_KEY)
+    metadata = batch.get("metadata")
+    if runs is None and metadata:
+        runs = [(m or {}).get(VERSIONS_KEY) for m in metadata]
+    if runs is None or all(r is None for r in runs):
+        return None
+    references = [(m or {}).get(POLICY_VERSION_KEY) for m in metadata] if metadata else [None] * len(runs)
+    versions = []
+    for i, (r, n) in enumerate(zip(runs, response_lengths, strict=True)):
+        if r is None:
+            versions.append(None)
+            continue
+        try:
+            versions.append(offpolicy.expand_version_runs(r, int(n)))
+        except ValueError as exc:
+            raise ValueError(f"sample {i}: {VERSIONS_KEY} does not match its response: {exc}") from exc
+    return versions, references
+
+
+def _staleness_metrics(
+    versions: tuple[list[torch.Tensor | None], list[int | None]],
+    packing: offpolicy.Packing,
+    behaviour_ratio: torch.Tensor,
+    to_local: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    per_sample, references = versions
+    device = behaviour_ratio.device
+    lengths = list(packing.sizes)
+    known = torch.cat([torch.full((n,), v is not None, dtype=torch.bool) for v, n in zip(per_sample, lengths)]
+                      ) if lengths else torch.zeros(0, dtype=torch.bool)
+    flat = torch.cat([v if v is not None else torch.zeros(n, dtype=torch.long) for v, n in zip(per_sample, lengths)]
+                     ) if lengths else torch.zeros(0, dtype=torch.long)
+    newest = int(flat[known].max()) if bool(known.any()) else 0
+    reference = torch.cat([torch.full((n,), newest if ref is None else int(ref), dtype=torch.long)
+                           for ref, n in zip(references, lengths, strict=True)]) if lengths else torch.zeros(0, dtype=torch.long)
+    staleness = (reference - flat).clamp_min(0).to(device)
+    known = known.to(device)
+    bucket = offpolicy.staleness_buckets(staleness, len(STALENESS_BUCKETS))
+    dtype = behaviour_ratio.dtype
+    out = {
+        "offpolicy_token_frac": (known & (staleness > 0)).to(dtype),
+        "staleness_mean": staleness.to(dtype) * known.to(dtype),
+    }
+    for b, name in enumerate(STALENESS_BUCKETS):
+        in_bucket = (known & (bucket == b)).to(dtype)
+        out[f"{name}/tokens"] = in_bucket
+        out[f"{name}/ratio_mass"] = in_bucket * behaviour_ratio
+    return {k: to_local(v) for k, v in out.items()}
+
+
+# ------------------------------------------------------------------------------- metrics
+def _weight_metrics(
+    packing: offpolicy.Packing, mask: torch.Tensor, sequence_log_weights: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Per-token tensors (whole-response layout) describing the unclipped sequence weights."""
+    seq_w = offpolicy.safe_exp(sequence_log_weights.detach())
+    valid = packing.sum(mask.to(seq_w.dtype)) > 0
+    ess = offpolicy.effective_sample_size(sequence_log_weights, valid=valid, reduce=False)
+    return {
+        "seq_weight": packing.expand(seq_w),
+        "seq_weight_sq": packing.expand(seq_w.square()),
+        "ess_ratio_microbatch": torch.full_like(mask, ess.ess_ratio, dtype=seq_w.dtype),
+    }
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(list(tensors)) if tensors else torch.zeros(0)
+
+
+# ---------------------------------------------------------------------------- custom loss
+def policy_loss(
+    args: Any,
+    batch: dict,
+    logits: torch.Tensor,
+    sum_of_sample_mean: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """slime custom loss: ``(loss, metrics)`` with metrics as detached 0-dim tensors.
+
+    ``batch`` is slime's micro-batch: per-sample lists ``advantages``, ``log_probs`` (recomputed
+    before the step; absent with ``--use-rollout-logprobs``), ``rollout_log_probs``,
+    ``loss_masks``, ``response_lengths``, ``total_lengths``, ``unconcat_tokens``, optionally
+    ``ref_log_probs`` and the token versions described in the module doc.
+    """
+    config = config_for(args)
+    if getattr(args, "advantage_estimator", None) == "cispo":
+        raise AprilConfigError("april_is_mode: the custom loss implements PPO/GSPO objectives, not CISPO; "
+                               "use slime's policy_loss with april_slime.loss.tis instead")
+    if getattr(args, "use_opsm", False):
+        raise AprilConfigError("april_is_mode: --use-opsm is not supported by the custom loss")
+    loss_level = "sequence" if getattr(args, "advantage_estimator", None) == "gspo" else config.loss_level
+
+    response_lengths = [int(n) for n in batch["response_lengths"]]
+    layout = _Layout(batch.get("total_lengths"), response_lengths)
+    log_probs, entropy = current_log_probs(args, batch, logits)
+
+    old_log_probs = batch.get("log_probs") or None
+    rollout_log_probs = batch.get("rollout_log_probs") or None
+    if config.is_mode != "on_policy" and rollout_log_probs is None:
+        raise AprilConfigError(f"april_is_mode: {config.is_mode} needs rollout log-probs in the batch; the rollout "
+                               "must return them (SGLang return_logprob) for every response token")
+    if old_log_probs is None:
+        if config.is_mode == "decoupled":
+            raise AprilConfigError("april_is_mode: decoupled needs the recomputed proximal log-probs; drop "
+                                   "--use-rollout-logprobs")
+        old_log_probs = [lp.detach() for lp in log_probs]
+
+    whole_log_probs, packing = offpolicy.pack(layout.gather(log_probs))
+    whole_old = _flat(layout.gather(old_log_probs)).to(whole_log_probs.device)
+    whole_adv = _flat(layout.gather(batch["advantages"])).to(whole_log_probs)
+    whole_rollout = (_flat(layout.gather(rollout_log_probs)).to(whole_log_probs)
+                     if rollout_log_probs is not None else None)
+    mask = _flat(batch["loss_masks"]).to(whole_log_probs.device)
+    packing.check("loss_masks", mask)
+
+    objective = offpolicy.policy_objective(
+        whole_log_probs, whole_old.to(whole_log_probs.dtype), whole_rollout, whole_adv, mask, packing,
+        mode=config.is_mode, is_level=config.is_level, correction=config.is_correction,
+        is_low=config.is_low, is_high=config.is_high, eps_clip=args.eps_clip,
+        eps_clip_high=getattr(args, "eps_clip_high", None), eps_clip_c=getattr(args, "eps_clip_c", None),
+        loss_level=loss_level,
+    )
+
+    def to_local(x: torch.Tensor) -> torch.Tensor:
+        return layout.to_local(x, packing)
+
+    keep_local = to_local(objective.keep)
+    pg_loss = sum_of_sample_mean(to_local(objective.loss))
+    local_log_probs = _flat(log_probs)
+    local_old = _flat(old_log_probs).to(local_log_probs)
+    entropy_loss = sum_of_sample_mean(_flat(entropy) * keep_local)
+    loss = pg_loss - getattr(args, "entropy_coef", 0.0) * entropy_loss
+
+    metrics: dict[str, torch.Tensor] = {}
+    if getattr(args, "use_kl_loss", False):
+        ref = _flat(batch["ref_log_probs"]).to(local_log_probs)
+        importance = torch.exp(local_log_probs - local_old) if getattr(args, "use_unbiased_kl", False) else None
+        kl_loss = sum_of_sample_mean(offpolicy.approx_kl(local_log_probs, ref, args.kl_loss_type, importance))
+        loss = loss + args.kl_loss_coef * kl_loss
+        metrics["kl_loss"] = kl_loss
+    if local_log_probs.numel() == 0:
+        # keeps every parameter in the graph so the backward collectives still run on this rank
+        loss = loss + 0 * logits.sum()
+
+    metrics.update({
+        "loss": loss,
+        "pg_loss": pg_loss,
+        "entropy_loss": entropy_loss,
+        "pg_clipfrac": sum_of_sample_mean(to_local(objective.clipped)),
+        "ppo_kl": sum_of_sample_mean(local_old - local_log_probs),
+    })
+    if rollout_log_probs is not None:
+        local_rollout = _flat(rollout_log_probs).to(local_log_probs)
+        metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean((local_old - local_rollout).abs())
+
+    behaviour_ratio = offpolicy.safe_exp(objective.behaviour_log_ratio)
+    per_token = {
+        "ratio_mean": objective.ratio,
+        "ratio_max": packing.expand(packing.max(objective.ratio, mask)),
+        "is_weight_mean": objective.is_weight,
+        "truncated_frac": objective.truncated,
+        "masked_frac": 1.0 - objective.keep,
+        "behaviour_ratio_mean": behaviour_ratio,
+        **_weight_metrics(packing, mask, objective.sequence_log_weights),
+    }
+    local_metrics = {k: to_local(v) for k, v in per_token.items()}
+    versions = token_versions(batch, response_lengths)
+    if versions is not None:
+        local_metrics.update(_staleness_metrics(versions, packing, behaviour_ratio, to_local))
+    for key, value in local_metrics.items():
+        metrics[PREFIX + key] = sum_of_sample_mean(value.to(local_log_probs.dtype))
+    return loss, {k: torch.as_tensor(v, device=logits.device).detach().clone().float() for k, v in metrics.items()}
+
+
+# ------------------------------------------------------------------------------- TIS hook
+def tis(
+    args: Any,
+    *,
+    pg_loss: torch.Tensor,
+    train_log_probs: list[torch.Tensor],
+    rollout_log_probs: list[torch.Tensor],
+    loss_masks: list[torch.Tensor],
+    total_lengths: list[int] | None = None,
+    response_lengths: list[int] | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+    """slime TIS hook: ``(pg_loss, loss_masks, metrics)``.
+
+    ``pg_loss`` is slime's flat per-token PPO loss (CP-local), ``train_log_probs`` the recomputed
+    log-probs pi_old, ``rollout_log_probs`` the behaviour log-probs. With ``--use-tis`` the loss is
+    multiplied by the corrected weight c(pi_old / pi_rollout) at ``april_is_level``; MIS also drops
+    the rejected tokens from the returned masks (slime then leaves them out of every numerator).
+    Without ``--use-tis`` (``--get-mismatch-metrics``) nothing but the metrics changes. Metrics are
+    flat per-token tensors, which slime reduces with its pre-rejection ``sum_of_sample_mean``.
+    """
+    config = config_for(args)
+    apply = bool(getattr(args, "use_tis", False))
+    if apply and config.is_mode != "decoupled":
+        hint = ("on_policy ignores rollout log-probs: drop --use-tis" if config.is_mode == "on_policy" else
+                "copris clips against the rollout log-probs: use --use-rollout-logprobs without --use-tis, or the "
+                "custom loss april_slime.loss.policy_loss for copris with TIS/MIS")
+        raise AprilConfigError(f"april_is_mode: the TIS hook implements decoupled PPO; {hint}")
+    if response_lengths is None:
+        response_lengths = [int(m.numel()) for m in loss_masks]
+    layout = _Layout(total_lengths, response_lengths)
+    whole_old, packing = offpolicy.pack([x.detach() for x in layout.gather(train_log_probs)])
+    whole_rollout = _flat(layout.gather(rollout_log_probs)).to(whole_old)
+    mask = _flat(loss_masks).to(whole_old.device)
+    packing.check("loss_masks", mask)
+    packing.check("rollout_log_probs", whole_rollout)
+    clean = offpolicy.check_finite({"train_log_probs": whole_old, "rollout_log_probs": whole_rollout}, mask, packing)
+    behaviour = offpolicy.masked_log_ratio(clean["train_log_probs"], clean["rollout_log_probs"], mask)
+
+    correction = config.is_correction if apply else "none"
+    weights = offpolicy.correct_log_weights(
+        offpolicy.level_log_weights(config.is_level, behaviour, packing, mask), correction, config.is_low, config.is_high)
+
+    def to_local(x: torch.Tensor) -> torch.Tensor:
+        return layout.to_local(x, packing)
+
+    if apply:
+        pg_loss = pg_loss * to_local(weights.weights).to(pg_loss.dtype)
+        if correction == "mask":
+            loss_masks = [m * k.to(m.dtype) for m, k in zip(loss_masks, packing.split(weights.keep), strict=True)]
+
+    sequence_log_weights = offpolicy.sequence_log_weights(behaviour, packing, mask)
+    per_token = {
+        "behaviour_ratio_mean": offpolicy.safe_exp(behaviour),
+        "is_weight_mean": weights.weights,
+        "truncated_frac": weights.truncated,
+        "masked_frac": 1.0 - weights.keep,
+        **_weight_metrics(packing, mask, sequence_log_weights),
+    }
+    metrics = {PREFIX + k: to_local(v).detach().clone() for k, v in per_token.items()}
+    return pg_loss, loss_masks, metrics

@@ -1,0 +1,310 @@
+"""slime hooks, driven with micro-batches laid out the way slime's loss_function builds them."""
+
+import math
+from argparse import Namespace
+
+import pytest
+import torch
+
+from april_slime import loss as april_loss
+from april_slime import offpolicy as op
+from april_slime.config import AprilConfigError
+
+VOCAB = 13
+
+
+def make_args(**overrides):
+    values = dict(
+        eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None, rollout_temperature=0.7, entropy_coef=0.0,
+        use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1", use_unbiased_kl=False, advantage_estimator="grpo",
+        use_rollout_logprobs=False, use_tis=False, get_mismatch_metrics=False, rollout_top_p=1.0,
+        april_is_mode="decoupled", april_is_level="token", april_is_correction="truncate", april_is_low=0.0,
+        april_is_high=1.3, april_loss_level="token",
+    )
+    values.update(overrides)
+    return Namespace(**values)
+
+
+def direct_log_probs(logits, tokens, total_lengths, response_lengths, temperature):
+    """log p(token) one position at a time, straight from the definition."""
+    out = []
+    offset = 0
+    for toks, total, resp in zip(tokens, total_lengths, response_lengths):
+        prompt = total - resp
+        values = []
+        for j in range(resp):
+            position = offset + prompt + j - 1  # the logits that predict token prompt + j
+            row = logits[0, position] / temperature
+            values.append(row[toks[prompt + j]] - torch.logsumexp(row, dim=0))
+        out.append(torch.stack(values) if values else logits.new_zeros(0))
+        offset += total
+    return out
+
+
+def slime_reducer(response_lengths, loss_masks, denominators):
+    """slime's sum_of_sample_mean without context parallelism."""
+    def reduce(x):
+        return sum((xi * mi).sum() / torch.clamp_min(d, 1)
+                   for xi, mi, d in zip(x.split(response_lengths), loss_masks, denominators))
+    return reduce
+
+
+def make_batch(seed=0, prompt_lengths=(3, 2, 4, 1), response_lengths=(5, 1, 6, 4), dtype=torch.float64,
+               spread=0.2, drift=0.0):
+    g = torch.Generator().manual_seed(seed)
+    total_lengths = [p + r for p, r in zip(prompt_lengths, response_lengths)]
+    tokens = [torch.randint(VOCAB, (n,), generator=g) for n in total_lengths]
+    padded = -(-sum(total_lengths) // 8) * 8  # slime pads the packed stream
+    logits = torch.randn(1, padded, VOCAB, generator=g, dtype=dtype).requires_grad_(True)
+    current = [lp.detach() for lp in direct_log_probs(logits, tokens, total_lengths, response_lengths, 0.7)]
+    old = [c + drift * torch.randn(c.shape, generator=g, dtype=dtype) for c in current]
+    rollout = [o + spread * torch.randn(o.shape, generator=g, dtype=dtype) for o in old]
+    masks = [(torch.rand(r, generator=g) > 0.2).int() for r in response_lengths]
+    masks[1] = torch.ones(response_lengths[1], dtype=torch.int)  # one sample fully kept
+    advantages = [torch.full((r,), float(torch.randn(1, generator=g)), dtype=dtype) for r in response_lengths]
+    batch = {
+        "unconcat_tokens": tokens, "total_lengths": total_lengths, "response_lengths": list(response_lengths),
+        "loss_masks": masks, "log_probs": old, "rollout_log_probs": rollout, "advantages": advantages,
+        "rollout_mask_sums": [m.sum().to(dtype) for m in masks], "ref_log_probs": None,
+    }
+    return batch, logits
+
+
+def reducer_for(batch):
+    return slime_reducer(batch["response_lengths"], batch["loss_masks"], batch["rollout_mask_sums"])
+
+
+# --------------------------------------------------------------------------------- log-probs
+def test_logits_path_matches_direct_softmax_with_temperature_and_padding():
+    batch, logits = make_batch(seed=1)
+    lps, ents = april_loss.response_log_probs_from_logits(
+        logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"], temperature=0.7,
+        with_entropy=True)
+    expected = direct_log_probs(logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"],
+                                0.7)
+    for got, exp in zip(lps, expected):
+        torch.testing.assert_close(got, exp)
+    row = logits[0, batch["total_lengths"][0] - 1 - 1] / 0.7  # last response token of sample 0
+    p = torch.softmax(row, 0)
+    torch.testing.assert_close(ents[0][-1], -(p * p.log()).sum())
+    with pytest.raises(ValueError, match="positions"):
+        april_loss.response_log_probs_from_logits(logits[:, :5], batch["unconcat_tokens"], batch["total_lengths"],
+                                                  batch["response_lengths"])
+
+
+# -------------------------------------------------------------------------------- custom loss
+@pytest.mark.parametrize("mode,level,correction,estimator", [
+    ("on_policy", "token", "none", "grpo"),
+    ("decoupled", "token", "truncate", "grpo"),
+    ("decoupled", "sequence", "mask", "grpo"),
+    ("decoupled", "geometric", "truncate", "gspo"),
+    ("copris", "token", "none", "grpo"),
+    ("copris", "geometric", "mask", "grpo"),
+    ("copris", "token", "truncate", "gspo"),
+])
+def test_policy_loss_equals_direct_objective_and_gradient(mode, level, correction, estimator):
+    batch, logits = make_batch(seed=2, drift=0.05)
+    args = make_args(april_is_mode=mode, april_is_level=level, april_is_correction=correction,
+                     advantage_estimator=estimator, april_is_low=0.8)
+    loss, metrics = april_loss.policy_loss(args, batch, logits, reducer_for(batch))
+    loss.backward()
+    grad = logits.grad.clone()
+
+    logits.grad = None
+    lp = direct_log_probs(logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"], 0.7)
+    flat_lp, packing = op.pack(lp)
+    obj = op.policy_objective(
+        flat_lp, torch.cat(batch["log_probs"]), torch.cat(batch["rollout_log_probs"]), torch.cat(batch["advantages"]),
+        torch.cat(batch["loss_masks"]), packing, mode=mode, is_level=level, correction=correction, is_low=0.8,
+        is_high=1.3, eps_clip=0.2, eps_clip_high=0.28, loss_level="sequence" if estimator == "gspo" else "token")
+    expected = reducer_for(batch)(obj.loss)
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach())
+    torch.testing.assert_close(grad, logits.grad)
+    assert metrics["pg_loss"].item() == pytest.approx(expected.item())
+
+
+def test_metrics_follow_slimes_contract_and_keys_are_stable():
+    args = make_args(april_is_mode="copris", april_is_correction="mask")
+    keys = None
+    for seed in (3, 4):
+        batch, logits = make_batch(seed=seed, prompt_lengths=(2, 5), response_lengths=(3 + seed, 2))
+        _, metrics = april_loss.policy_loss(args, batch, logits, reducer_for(batch))
+        for key, value in metrics.items():
+            assert isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad, key
+            assert value.dtype == torch.float32 and math.isfinite(value.item()), key
+        keys = keys or list(metrics)
+        assert list(metrics) == keys  # slime sums the value vectors of every micro-batch position-wise
+    # slime packs them exactly like this
+    torch.tensor([0] + list(metrics.values()))
+    for key in ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl", "train_rollout_logprob_abs_diff",
+                "april/ratio_mean", "april/ratio_max", "april/is_weight_mean", "april/truncated_frac",
+                "april/masked_frac", "april/behaviour_ratio_mean", "april/seq_weight", "april/seq_weight_sq",
+                "april/ess_ratio_microbatch"):
+        assert key in metrics
+    assert not any(k.startswith("april/stale") for k in metrics)  # no versions in the batch
+
+
+def test_metric_values_against_hand_computation():
+    batch, logits = make_batch(seed=5, spread=0.5)
+    reduce = reducer_for(batch)
+    args = make_args(april_is_mode="decoupled", april_is_level="sequence", april_is_correction="mask",
+                     april_is_low=0.5, april_is_high=1.5)
+    _, metrics = april_loss.policy_loss(args, batch, logits, reduce)
+    n = len(batch["response_lengths"])
+    seq_lw = [((o - r) * m).sum() for o, r, m in zip(batch["log_probs"], batch["rollout_log_probs"],
+                                                      batch["loss_masks"])]
+    seq_w = [math.exp(x) for x in seq_lw]
+    assert metrics["april/seq_weight"].item() == pytest.approx(sum(seq_w), rel=1e-5)
+    assert metrics["april/seq_weight_sq"].item() == pytest.approx(sum(w * w for w in seq_w), rel=1e-5)
+    ess_ratio = sum(seq_w) ** 2 / sum(w * w for w in seq_w) / n
+    assert metrics["april/ess_ratio_microbatch"].item() == pytest.approx(ess_ratio * n, rel=1e-5)
+    masked = sum(1.0 for w in seq_w if not 0.5 <= w <= 1.5)
+    assert metrics["april/masked_frac"].item() == pytest.approx(masked, rel=1e-6)
+    # the current policy equals the recomputed one here, so the clip ratio is exactly 1
+    assert metrics["april/ratio_mean"].item() == pytest.approx(n)
+
+
+def test_staleness_metrics_from_train_metadata():
+    batch, logits = make_batch(seed=6, prompt_lengths=(2, 2), response_lengths=(4, 3))
+    batch["loss_masks"] = [torch.ones(4, dtype=torch.int), torch.ones(3, dtype=torch.int)]
+    batch["rollout_mask_sums"] = [torch.tensor(4.0, dtype=torch.float64), torch.tensor(3.0, dtype=torch.float64)]
+    batch["metadata"] = [
+        {"april_token_versions_rle": [[5, 1], [6, 2], [7, 1]], "april_policy_version": 7},
+        {"april_token_versions_rle": [[3, 3]], "april_policy_version": 7},
+    ]
+    _, metrics = april_loss.policy_loss(make_args(), batch, logits, reducer_for(batch))
+    # sample means: sample 0 staleness [2, 1, 1, 0], sample 1 staleness [4, 4, 4]
+    assert metrics["april/offpolicy_token_frac"].item() == pytest.approx(3 / 4 + 1)
+    assert metrics["april/staleness_mean"].item() == pytest.approx(1.0 + 4.0)
+    assert metrics["april/stale0/tokens"].item() == pytest.approx(1 / 4)
+    assert metrics["april/stale1/tokens"].item() == pytest.approx(2 / 4)
+    assert metrics["april/stale2/tokens"].item() == pytest.approx(1 / 4)
+    assert metrics["april/stale3+/tokens"].item() == pytest.approx(1.0)
+    ratio0 = torch.exp(batch["log_probs"][0] - batch["rollout_log_probs"][0])
+    assert metrics["april/stale1/ratio_mass"].item() == pytest.approx(float(ratio0[1:3].sum() / 4), rel=1e-5)
+
+    # reference version missing: the newest version in the micro-batch (7) is used instead
+    for m in batch["metadata"]:
+        del m["april_policy_version"]
+    _, metrics2 = april_loss.policy_loss(make_args(), batch, logits, reducer_for(batch))
+    assert metrics2["april/staleness_mean"].item() == pytest.approx(metrics["april/staleness_mean"].item())
+
+    # the direct key wins and a sample without versions is simply not counted
+    batch["april_token_versions_rle"] = [[[7, 4]], None]
+    _, metrics3 = april_loss.policy_loss(make_args(), batch, logits, reducer_for(batch))
+    assert metrics3["april/offpolicy_token_frac"].item() == 0.0
+    assert metrics3["april/stale0/tokens"].item() == pytest.approx(1.0)
+
+    batch["april_token_versions_rle"] = [[[7, 3]], None]
+    with pytest.raises(ValueError, match="sample 0: april_token_versions_rle"):
+        april_loss.policy_loss(make_args(), batch, logits, reducer_for(batch))
+
+
+def test_entropy_and_kl_terms():
+    batch, logits = make_batch(seed=7)
+    batch["ref_log_probs"] = [lp - 0.1 for lp in batch["log_probs"]]
+    args = make_args(april_is_mode="on_policy", april_is_correction="none", entropy_coef=0.01, use_kl_loss=True,
+                     kl_loss_coef=0.5, kl_loss_type="k3")
+    reduce = reducer_for(batch)
+    loss, metrics = april_loss.policy_loss(args, batch, logits, reduce)
+    lps, ents = april_loss.response_log_probs_from_logits(
+        logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"], 0.7, with_entropy=True)
+    flat = torch.cat(lps)
+    kl = op.approx_kl(flat, torch.cat(batch["ref_log_probs"]), "k3")
+    expected = metrics["pg_loss"] - 0.01 * reduce(torch.cat(ents)) + 0.5 * reduce(kl)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert metrics["kl_loss"].item() == pytest.approx(reduce(kl).item(), rel=1e-5)
+
+
+def test_copris_without_recomputed_log_probs_uses_the_current_policy():
+    batch, logits = make_batch(seed=8)
+    batch["log_probs"] = None  # --use-rollout-logprobs: slime skips the recompute
+    args = make_args(april_is_mode="copris", april_is_correction="none", use_rollout_logprobs=True)
+    loss, metrics = april_loss.policy_loss(args, batch, logits, reducer_for(batch))
+    assert torch.isfinite(loss) and metrics["ppo_kl"].item() == 0.0
+
+
+def test_configuration_errors_are_clear():
+    batch, logits = make_batch(seed=9)
+    no_old = dict(batch, log_probs=None)
+    with pytest.raises(AprilConfigError, match="decoupled needs the recomputed"):
+        april_loss.policy_loss(make_args(), no_old, logits, reducer_for(batch))
+    no_rollout = dict(batch, rollout_log_probs=None)
+    with pytest.raises(AprilConfigError, match="copris needs rollout log-probs"):
+        april_loss.policy_loss(make_args(april_is_mode="copris"), no_rollout, logits, reducer_for(batch))
+    with pytest.raises(AprilConfigError, match="CISPO"):
+        april_loss.policy_loss(make_args(advantage_estimator="cispo"), batch, logits, reducer_for(batch))
+    with pytest.raises(AprilConfigError, match="april_is_correction"):
+        april_loss.config_for(make_args(april_is_correction="clip"))
+    bad = dict(batch, rollout_log_probs=[r.clone() for r in batch["rollout_log_probs"]])
+    bad["rollout_log_probs"][2][0] = float("nan")
+    bad["loss_masks"] = [m.clone() for m in batch["loss_masks"]]
+    bad["loss_masks"][2][0] = 1
+    with pytest.raises(op.NonFiniteLogProbError, match="sample 2, token 0"):
+        april_loss.policy_loss(make_args(), bad, logits, reducer_for(bad))
+
+
+def test_config_is_built_once_per_args_object():
+    args = make_args()
+    assert april_loss.config_for(args) is april_loss.config_for(args)
+    assert april_loss.config_for(make_args()) is not april_loss.config_for(args)
+
+
+# ------------------------------------------------------------------------------------ TIS hook
+def tis_inputs(seed=10):
+    batch, _ = make_batch(seed=seed, spread=0.4)
+    pg_loss = torch.randn(sum(batch["response_lengths"]), dtype=torch.float64)
+    return batch, pg_loss
+
+
+def call_tis(args, batch, pg_loss):
+    return april_loss.tis(args, pg_loss=pg_loss, train_log_probs=batch["log_probs"],
+                          rollout_log_probs=batch["rollout_log_probs"], loss_masks=batch["loss_masks"],
+                          total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"])
+
+
+def test_tis_hook_truncates_decoupled_weights_per_token():
+    batch, pg_loss = tis_inputs()
+    args = make_args(use_tis=True, april_is_low=0.9, april_is_high=1.2)
+    new_loss, masks, metrics = call_tis(args, batch, pg_loss)
+    mask = torch.cat(batch["loss_masks"]).bool()
+    w = torch.exp(torch.cat(batch["log_probs"]) - torch.cat(batch["rollout_log_probs"])).clamp(0.9, 1.2)
+    torch.testing.assert_close(new_loss[mask], (pg_loss * w)[mask])
+    assert masks is batch["loss_masks"]
+    for key, value in metrics.items():
+        assert value.shape == pg_loss.shape and not value.requires_grad, key
+    assert metrics["april/truncated_frac"][mask].sum() > 0
+
+
+def test_tis_hook_masking_at_sequence_level_drops_whole_samples():
+    batch, pg_loss = tis_inputs(seed=10)  # sequence weights 3.14, 1.1, 0.35, 1.14
+    args = make_args(use_tis=True, april_is_level="sequence", april_is_correction="mask", april_is_low=0.5,
+                     april_is_high=1.5)
+    new_loss, masks, _ = call_tis(args, batch, pg_loss)
+    for i, (o, r, m, new_m) in enumerate(zip(batch["log_probs"], batch["rollout_log_probs"], batch["loss_masks"],
+                                             masks)):
+        w = math.exp(float(((o - r) * m).sum()))
+        inside = 0.5 <= w <= 1.5
+        assert torch.equal(new_m, m if inside else torch.zeros_like(m)), i
+        assert new_m.dtype == m.dtype
+    assert [bool(m.any()) for m in masks] == [False, True, False, True]
+    mask = torch.cat(masks).bool()
+    w = torch.cat([torch.exp(((o - r) * m).sum()).expand(len(m)) for o, r, m in
+                   zip(batch["log_probs"], batch["rollout_log_probs"], batch["loss_masks"])])
+    torch.testing.assert_close(new_loss[mask], (pg_loss * w)[mask])
+
+
+def test_tis_hook_without_use_tis_only_reports_metrics():
+    batch, pg_loss = tis_inputs(seed=12)
+    args = make_args(april_is_mode="copris", get_mismatch_metrics=True, use_rollout_logprobs=True)
+    new_loss, masks, metrics = call_tis(args, batch, pg_loss)
+    assert new_loss is pg_loss and masks is batch["loss_masks"]
+    assert "april/ess_ratio_microbatch" in metrics
+
+
+@pytest.mark.parametrize("mode", ["copris", "on_policy"])
+def test_tis_hook_refuses_modes_it_cannot_express(mode):
+    batch, pg_loss = tis_inputs(seed=13)
+    with pytest.raises(AprilConfigError, match="TIS hook implements decoupled"):
+        call_tis(make_args(use_tis=True, april_is_mode=mode), batch, pg_loss)
