@@ -86,7 +86,9 @@ class AprilConfig:
         default=1.0, metadata={"help": "First retry delay; doubles on every retry."})
     buffer_dir: str | None = field(
         default=None,
-        metadata={"help": "Where the partial buffer is saved; default: <args.save>/april_buffer."},
+        metadata={"help": "Folder of the partial-buffer checkpoint (april_state_<rollout_id>.json); default: "
+                          "<args.save>/rollout (loaded from <args.load>/rollout), next to slime's "
+                          "own data-source state."},
     )
     # ---------------------------------------------------------------- loss side
     is_mode: str = field(

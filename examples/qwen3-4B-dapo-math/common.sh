@@ -1,0 +1,151 @@
+# Shared settings of the Qwen3-4B DAPO-Math launchers (sourced by run-h100.sh / run-mi300.sh).
+# Modelled on slime's scripts/run-qwen3-4B.sh (THUDM/slime 624b824a8); the rollout, buffer and
+# loss come from april_slime. Everything below can be overridden from the environment.
+#
+#   MODE       slime | sync | april | copris   (slime = slime's stock rollout, no plugin)
+#   LOSS_HOOK  custom_loss | tis               (how the off-policy correction enters the loss)
+#   VCPO_HOOK  0 | 1                           (ESS learning-rate scaling hook)
+
+MODE=${MODE:-copris}
+LOSS_HOOK=${LOSS_HOOK:-custom_loss}
+VCPO_HOOK=${VCPO_HOOK:-0}
+# name of the VCPO hook; one place to change it
+VCPO_HOOK_PATH=${VCPO_HOOK_PATH:-april_slime.vcpo.before_train_step}
+
+SLIME_DIR=${SLIME_DIR:-/root/slime}
+MODEL_DIR=${MODEL_DIR:-/root}
+DATA_DIR=${DATA_DIR:-/root}
+SAVE_DIR=${SAVE_DIR:-${MODEL_DIR}/Qwen3-4B_slime_${MODE}}
+HERE="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"
+
+case "$MODE" in
+    slime|sync|april|copris) ;;
+    *) echo "MODE must be slime, sync, april or copris (got '$MODE')" >&2; exit 2 ;;
+esac
+
+# the model architecture, from slime itself
+source "${SLIME_DIR}/scripts/models/qwen3-4B.sh"
+
+CKPT_ARGS=(
+   --hf-checkpoint ${MODEL_DIR}/Qwen3-4B
+   --ref-load ${MODEL_DIR}/Qwen3-4B_torch_dist
+   --load ${SAVE_DIR}
+   --save ${SAVE_DIR}
+   --save-interval 20
+)
+
+ROLLOUT_ARGS=(
+   --prompt-data ${DATA_DIR}/dapo-math-17k/dapo-math-17k.jsonl
+   --input-key prompt
+   --label-key label
+   --apply-chat-template
+   --rollout-shuffle
+   --rm-type deepscaler
+   --num-rollout 3000
+   --rollout-batch-size 32
+   --n-samples-per-prompt 8
+   --rollout-max-response-len 8192
+   --rollout-temperature 1
+
+   --global-batch-size 256
+   --balance-data
+)
+
+EVAL_ARGS=(
+   --eval-interval 20
+   --eval-prompt-data aime ${DATA_DIR}/aime-2024/aime-2024.jsonl
+   --n-samples-per-eval-prompt 16
+   --eval-max-response-len 16384
+   --eval-top-p 1
+)
+
+GRPO_ARGS=(
+   --advantage-estimator grpo
+   --use-kl-loss
+   --kl-loss-coef 0.00
+   --kl-loss-type low_var_kl
+   --entropy-coef 0.00
+   --eps-clip 0.2
+   --eps-clip-high 0.28
+)
+
+OPTIMIZER_ARGS=(
+   --optimizer adam
+   --lr 1e-6
+   --lr-decay-style constant
+   --weight-decay 0.1
+   --adam-beta1 0.9
+   --adam-beta2 0.98
+)
+
+SGLANG_ARGS=(
+   --rollout-num-gpus-per-engine 2
+   --sglang-mem-fraction-static 0.7
+)
+
+WANDB_ARGS=(
+   # --use-wandb
+   # --wandb-project april-slime
+   # --wandb-group qwen3-4B-dapo-${MODE}
+   # --wandb-key ${WANDB_KEY}
+)
+
+# ---------------------------------------------------------------- april_slime
+APRIL_ARGS=()
+if [ "$MODE" != "slime" ]; then
+   APRIL_ARGS+=(
+      --rollout-function-path april_slime.rollout.generate_rollout
+      --data-source-path april_slime.rollout.AprilDataSource
+      --custom-config-path ${HERE}/configs/${MODE}.yaml
+      # rollout log-probs of every stage are the behaviour policy of the correction
+   )
+   case "$LOSS_HOOK" in
+      custom_loss)
+         APRIL_ARGS+=(--loss-type custom_loss --custom-loss-function-path april_slime.loss.policy_loss) ;;
+      tis)
+         # slime's own PPO loss, reweighted by april_slime.loss.tis (set april_is_mode: decoupled)
+         APRIL_ARGS+=(--use-tis --custom-tis-function-path april_slime.loss.tis) ;;
+      *) echo "LOSS_HOOK must be custom_loss or tis (got '$LOSS_HOOK')" >&2; exit 2 ;;
+   esac
+   if [ "$VCPO_HOOK" = "1" ]; then
+      APRIL_ARGS+=(--custom-megatron-before-train-step-hook-path ${VCPO_HOOK_PATH})
+   fi
+fi
+
+# Per-token policy versions reach the loss only with patches/slime-forward-train-metadata.patch
+# applied to the slime checkout; without it the loss still trains, without staleness metrics.
+check_april_setup() {
+   if [ "$MODE" = "slime" ]; then
+      return
+   fi
+   python3 -c "import april_slime" || { echo "april_slime is not installed (pip install -e <repo>)" >&2; exit 1; }
+   if [ -n "${APRIL_SLIME_DIR:-}" ]; then
+      bash "${APRIL_SLIME_DIR}/patches/check.sh" "${SLIME_DIR}" || echo "warning: slime patches not applied" >&2
+   fi
+}
+
+run_slime() {  # <platform args...>: start ray and submit the job
+   check_april_setup
+   export MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
+   ray start --head --node-ip-address ${MASTER_ADDR} --num-gpus ${NUM_GPUS} --disable-usage-stats \
+      --dashboard-host=0.0.0.0 --dashboard-port=8265
+   cd "${SLIME_DIR}"
+   ray job submit --address="http://127.0.0.1:8265" \
+      --runtime-env-json="${RUNTIME_ENV_JSON}" \
+      -- python3 train.py \
+      --actor-num-nodes 1 \
+      --actor-num-gpus-per-node ${NUM_GPUS} \
+      --colocate \
+      "${MODEL_ARGS[@]}" \
+      "${CKPT_ARGS[@]}" \
+      "${ROLLOUT_ARGS[@]}" \
+      "${OPTIMIZER_ARGS[@]}" \
+      "${GRPO_ARGS[@]}" \
+      "${WANDB_ARGS[@]}" \
+      "${PERF_ARGS[@]}" \
+      "${EVAL_ARGS[@]}" \
+      "${SGLANG_ARGS[@]}" \
+      "${MISC_ARGS[@]}" \
+      "${APRIL_ARGS[@]}" \
+      "$@"
+}

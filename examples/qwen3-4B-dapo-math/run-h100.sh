@@ -1,0 +1,43 @@
+#!/bin/bash
+# Qwen3-4B on DAPO-Math-17k, one node of 8x H100: slime stock / sync / APRIL / CoPRIS.
+#   MODE=copris bash examples/qwen3-4B-dapo-math/run-h100.sh
+# Stop an earlier run first (ray stop --force); this script does not kill other processes.
+set -euxo pipefail
+export PYTHONUNBUFFERED=1
+source "$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)/common.sh"
+
+NUM_GPUS=${NUM_GPUS:-8}
+NVLINK_COUNT=$(nvidia-smi topo -m 2>/dev/null | grep -o 'NV[0-9][0-9]*' | wc -l || true)
+HAS_NVLINK=$([ "${NVLINK_COUNT:-0}" -gt 0 ] && echo 1 || echo 0)
+
+PERF_ARGS=(
+   --tensor-model-parallel-size 2
+   --sequence-parallel
+   --pipeline-model-parallel-size 1
+   --context-parallel-size 1
+   --expert-model-parallel-size 1
+   --expert-tensor-parallel-size 1
+   --recompute-granularity full
+   --recompute-method uniform
+   --recompute-num-layers 1
+   --use-dynamic-batch-size
+   --max-tokens-per-gpu 9216
+)
+
+MISC_ARGS=(
+   --attention-dropout 0.0
+   --hidden-dropout 0.0
+   --accumulate-allreduce-grads-in-fp32
+   --attention-softmax-in-fp32
+   --attention-backend flash
+)
+
+RUNTIME_ENV_JSON="{
+  \"env_vars\": {
+    \"PYTHONPATH\": \"${MEGATRON_LM_DIR:-/root/Megatron-LM}/\",
+    \"CUDA_DEVICE_MAX_CONNECTIONS\": \"1\",
+    \"NCCL_NVLS_ENABLE\": \"${HAS_NVLINK}\"
+  }
+}"
+
+run_slime

@@ -1,0 +1,355 @@
+"""slime contract of ``april_slime.rollout``: settings from slime's args, the samples handed to
+slime's trainer, the data source's checkpoints, slime's reward / filter / evaluation paths.
+
+Runs against the real slime when it is importable, else against ``slime_standin`` (the same
+tests, the same assertions). SGLang is the emulator, over real HTTP on loopback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+import yaml
+
+import slime_standin
+from april_slime import rollout
+from april_slime.config import AprilConfigError
+
+RBS, N, MAX_LEN = 4, 3, 48
+
+
+# ------------------------------------------------------------------ functions slime loads by path
+async def parity_reward(args, sample, **kwargs):
+    return float(sample.response_length % 2)
+
+
+async def group_parity_reward(args, samples, **kwargs):
+    # a group reward: 1 for samples longer than their group's mean
+    mean = sum(s.response_length for s in samples) / len(samples)
+    return [float(s.response_length > mean) for s in samples]
+
+
+CALLS: list = []
+
+
+def keep_mixed_rewards(args, samples, **kwargs):
+    from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+
+    rewards = [s.get_reward_value(args) for s in samples]
+    CALLS.append(rewards)
+    keep = len(set(rewards)) > 1
+    return DynamicFilterOutput(keep=keep, reason=None if keep else f"zero_std_{rewards[0]}")
+
+
+# ------------------------------------------------------------------ fixtures
+@pytest.fixture
+def slime_mode(monkeypatch):
+    mode = slime_standin.install(monkeypatch)
+    if mode == "real":
+        slime_standin.patch_real_tokenizer(monkeypatch)
+    yield mode
+    rollout.shutdown()
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    with open(path, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"prompt": f"Q{i:03d}", "label": str(2 * i)}) + "\n")
+    return path
+
+
+def make_args(tmp_path, prompts, **overrides):
+    """The slime arguments the plugin reads, with slime's defaults for the rest."""
+    args = SimpleNamespace(
+        # slime data-source arguments
+        rollout_global_dataset=True, prompt_data=str(prompts), input_key="prompt", label_key="label",
+        metadata_key="metadata", tool_key=None, multimodal_keys=None, apply_chat_template=False,
+        apply_chat_template_kwargs={}, rollout_max_prompt_len=None, rollout_shuffle=False, rollout_seed=42,
+        dump_details=None, hf_checkpoint=str(tmp_path / "tokenizer"), buffer_filter_path=None,
+        save=str(tmp_path / "ckpt"), load=None,
+        # slime rollout arguments
+        rollout_batch_size=RBS, n_samples_per_prompt=N, over_sampling_batch_size=RBS,
+        rollout_max_response_len=MAX_LEN, rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1,
+        rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
+        partial_rollout=False, mask_offpolicy_in_partial_rollout=False, custom_generate_function_path=None,
+        use_rollout_routing_replay=False, dynamic_sampling_filter_path=None, rollout_sample_hook_path=None,
+        group_rm=False, custom_rm_path=f"{__name__}.parity_reward", rm_type=None, reward_key=None,
+        sglang_router_ip="127.0.0.1", sglang_router_port=0,
+        # plugin settings, as --custom-config-path sets them
+        april_policy="april", april_over_sampling_factor=2.0,
+    )
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def loop_run(coro):
+    """Run on the loop the rollout function uses (slime's persistent loop)."""
+    return importlib.import_module("slime.utils.async_utils").run(coro)
+
+
+class Cluster:
+    """Emulated SGLang engines + router over loopback HTTP, started on slime's persistent loop."""
+
+    def __init__(self, num_engines: int = 2, seed: int = 7):
+        from april_slime.emulator.batching import EngineConfig
+        from april_slime.emulator.cluster import EmulatorCluster
+        from april_slime.emulator.model import LengthModel, SyntheticLM
+
+        # short, long-tailed responses (some run to the budget), emulated 20x faster than real time
+        model = SyntheticLM(seed=seed, length=LengthModel(median_tokens=24.0, prompt_sigma=0.6,
+                                                          truncation_fraction=0.1))
+        self.emulator = EmulatorCluster(num_engines, model=model, engine_config=EngineConfig(time_scale=20.0))
+
+        async def start():
+            await self.emulator.start()
+            await self.emulator.serve_http()
+
+        loop_run(start())
+        self.router_url = self.emulator.router_url
+
+    def bump(self, version: int) -> None:
+        """What slime's weight update does to the engines' version (through the router)."""
+
+        async def post():
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"{self.router_url}/update_weight_version",
+                                        json={"new_version": str(version)}) as resp:
+                    resp.raise_for_status()
+
+        loop_run(post())
+
+    def stop(self) -> None:
+        loop_run(self.emulator.close())
+
+
+@pytest.fixture
+def cluster(slime_mode):
+    c = Cluster()
+    c.bump(1)  # slime pushes the first weights (version 1) before rollout 0
+    yield c
+    rollout.shutdown()
+    c.stop()
+
+
+def point_at(args, cluster):
+    host_port = cluster.router_url.removeprefix("http://")
+    args.sglang_router_ip, port = host_port.rsplit(":", 1)
+    args.sglang_router_port = int(port)
+    return args
+
+
+def check_train_output(output, args, version):
+    """What slime's trainer needs from every sample (RolloutManager._convert_samples_to_train_data)."""
+    Sample = importlib.import_module("slime.utils.types").Sample
+    groups = output.samples
+    assert len(groups) == args.rollout_batch_size
+    seen_index, group_indices = set(), []
+    for group in groups:
+        assert len(group) == args.n_samples_per_prompt
+        assert len({s.group_index for s in group}) == 1
+        group_indices.append(group[0].group_index)
+        prompt_len = len(group[0].tokens) - group[0].response_length
+        for s in group:
+            assert isinstance(s, Sample)
+            assert s.index not in seen_index
+            seen_index.add(s.index)
+            assert s.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
+            assert 0 < s.response_length <= args.rollout_max_response_len
+            assert len(s.tokens) == prompt_len + s.response_length
+            assert s.tokens[:prompt_len] == group[0].tokens[:prompt_len]  # same prompt ids in a group
+            assert len(s.rollout_log_probs) == s.response_length
+            assert all(lp <= 0.0 for lp in s.rollout_log_probs)
+            assert s.loss_mask == [1] * s.response_length
+            assert s.reward is not None
+            assert s.response == " ".join(str(t) for t in s.tokens[prompt_len:])
+            runs = s.train_metadata[rollout.TOKEN_VERSIONS_KEY]
+            assert sum(c for _, c in runs) == s.response_length
+            assert all(v <= version for v, _ in runs)
+            assert s.train_metadata[rollout.POLICY_VERSION_KEY] == version
+            assert s.weight_versions == [str(v) for v, _ in runs]
+            assert s.metadata[rollout.TOKEN_VERSIONS_KEY] == runs
+            if s.status is Sample.Status.TRUNCATED:
+                assert s.response_length == args.rollout_max_response_len
+    assert len(set(group_indices)) == len(group_indices)
+    indices = [g[0].index for g in groups]
+    assert indices == sorted(indices)  # slime sorts groups by sample index
+    assert output.metrics["april/policy_version"] == version
+
+
+# ------------------------------------------------------------------ settings
+def test_settings_come_from_custom_config_yaml(slime_mode, tmp_path, prompts):
+    path = tmp_path / "april.yaml"
+    path.write_text(yaml.safe_dump({"april_policy": "copris", "april_concurrency": 24,
+                                    "april_max_staleness": 2, "april_resume_priority": "fifo"}))
+    args = make_args(tmp_path, prompts, april_policy=None, april_over_sampling_factor=None)
+    for key, value in yaml.safe_load(path.read_text()).items():  # what slime does with the file
+        setattr(args, key, value)
+    source = rollout.AprilDataSource(args)
+    assert (source.config.policy, source.config.concurrency) == ("copris", 24)
+    assert source.buffer.max_staleness == 2 and source.buffer.priority == "fifo"
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"april_policy": "fastest"}, "april_policy:"),
+    ({"april_concurrency": 0}, "april_concurrency:"),
+    ({"rollout_top_p": 0.9}, "rollout_top_p:"),
+    ({"rollout_max_response_len": None}, "rollout_max_response_len:"),
+    ({"custom_generate_function_path": "x.y"}, "custom_generate_function_path:"),
+])
+def test_a_bad_value_stops_the_job_with_one_line(slime_mode, tmp_path, prompts, overrides, key):
+    with pytest.raises(AprilConfigError) as err:
+        rollout.AprilDataSource(make_args(tmp_path, prompts, **overrides))
+    message = str(err.value)
+    assert message.startswith(key) and "\n" not in message
+
+
+def test_rollout_function_needs_the_april_data_source(slime_mode, tmp_path, prompts):
+    with pytest.raises(AprilConfigError, match="data_source_path"):
+        rollout.generate_rollout(make_args(tmp_path, prompts), 0, object())
+
+
+# ------------------------------------------------------------------ training samples
+@pytest.mark.parametrize("policy", ["sync", "april", "copris"])
+def test_samples_have_the_shape_slime_trains_on(cluster, tmp_path, prompts, policy):
+    args = point_at(make_args(tmp_path, prompts, april_policy=policy), cluster)
+    source = rollout.AprilDataSource(args)
+    output = rollout.generate_rollout(args, 0, source)
+    assert type(output).__name__ == "RolloutFnTrainOutput"
+    check_train_output(output, args, version=1)
+    assert any(k.startswith("april/") for k in output.metrics)
+
+
+def test_group_reward_goes_through_batched_rm(cluster, tmp_path, prompts):
+    args = point_at(make_args(tmp_path, prompts, group_rm=True,
+                              custom_rm_path=f"{__name__}.group_parity_reward"), cluster)
+    output = rollout.generate_rollout(args, 0, rollout.AprilDataSource(args))
+    for group in output.samples:
+        mean = sum(s.response_length for s in group) / len(group)
+        assert [s.reward for s in group] == [float(s.response_length > mean) for s in group]
+
+
+def test_dynamic_sampling_filter_keeps_slimes_signature(cluster, tmp_path, prompts):
+    CALLS.clear()
+    args = point_at(make_args(tmp_path, prompts, dynamic_sampling_filter_path=f"{__name__}.keep_mixed_rewards"),
+                    cluster)
+    output = rollout.generate_rollout(args, 0, rollout.AprilDataSource(args))
+    check_train_output(output, args, version=1)
+    for group in output.samples:
+        assert len({s.reward for s in group}) > 1
+    dropped = sum(1 for rewards in CALLS if len(set(rewards)) == 1)
+    drop_metrics = {k: v for k, v in output.metrics.items() if k.startswith("rollout/dynamic_filter/drop_")}
+    assert sum(drop_metrics.values()) == dropped
+
+
+# ------------------------------------------------------------------ checkpoints
+def test_partials_survive_a_restart(cluster, tmp_path, prompts):
+    args = point_at(make_args(tmp_path, prompts, april_over_sampling_factor=3.0), cluster)
+    source = rollout.AprilDataSource(args)
+    rollout.generate_rollout(args, 0, source)
+    partial = source.buffer.num_partial_trajectories()
+    assert partial > 0, "over-sampling left no partial; the test needs one"
+    saved = source.buffer.state_dict()
+    source.save(0)
+
+    # a new process: engines restarted (weight version counts from 1 again), state loaded from disk
+    rollout.shutdown()
+    restarted = make_args(tmp_path, prompts, april_over_sampling_factor=3.0, load=args.save)
+    point_at(restarted, cluster)
+    cluster.bump(1)
+    source2 = rollout.AprilDataSource(restarted)
+    source2.load(0)
+    assert source2.buffer.state_dict() == saved
+    assert source2.restored_policy_version == 1
+
+    output = rollout.generate_rollout(restarted, 1, source2)
+    # the engines say 1 again; the job continues at 2 so buffered tokens keep their lag
+    assert output.metrics["april/version_offset"] == 1
+    check_train_output(output, restarted, version=2)
+    buffered = {g["uid"] for g in saved["groups"]}
+    returned = {str(g[0].group_index) for g in output.samples}
+    still_buffered = {g.uid for g in source2.buffer.groups()}
+    assert buffered <= returned | still_buffered, "a buffered group was lost across the restart"
+    resumed = [s for g in output.samples if str(g[0].group_index) in buffered for s in g]
+    assert any(v == 1 for s in resumed for v, _ in s.train_metadata[rollout.TOKEN_VERSIONS_KEY])
+
+
+def test_save_is_atomic_and_next_to_slimes_state(slime_mode, tmp_path, prompts):
+    args = make_args(tmp_path, prompts)
+    source = rollout.AprilDataSource(args)
+    source.save(3)
+    folder = tmp_path / "ckpt" / "rollout"
+    assert sorted(p.name for p in folder.iterdir()) == ["april_state_3.json", "global_dataset_state_dict_3.pt"]
+    # a missing state file means an empty buffer, as slime treats its own missing state
+    fresh = rollout.AprilDataSource(make_args(tmp_path, prompts, load=str(tmp_path / "ckpt")))
+    fresh.load(7)
+    assert len(fresh.buffer) == 0 and fresh.restored_policy_version is None
+
+
+def test_add_samples_buffers_slime_groups_without_duplicates(cluster, tmp_path, prompts):
+    args = point_at(make_args(tmp_path, prompts), cluster)
+    source = rollout.AprilDataSource(args)
+    output = rollout.generate_rollout(args, 0, source)
+    before = len(source.buffer)
+    group = output.samples[0]
+    # one sample without rollout log-probs: its response cannot be trusted for IS, so it restarts
+    group[1].rollout_log_probs = None
+    source.add_samples([group])
+    assert len(source.buffer) == before + 1
+    back = next(g for g in source.buffer.groups() if g.uid == str(group[0].group_index))
+    assert back.trajectories[0].response_ids == group[0].tokens[-group[0].response_length:]
+    assert back.trajectories[0].reward == group[0].reward
+    assert back.trajectories[1].response_ids == [] and back.trajectories[1].reward is None
+    with pytest.raises(ValueError):
+        source.add_samples([group])
+    assert len(source.buffer) == before + 1
+
+
+# ------------------------------------------------------------------ evaluation
+def test_evaluation_is_slimes_own(slime_mode, tmp_path, prompts, monkeypatch):
+    sglang_rollout = importlib.import_module("slime.rollout.sglang_rollout")
+    seen = []
+
+    def fake(args, rollout_id, data_source, evaluation=False):
+        seen.append((args, rollout_id, data_source, evaluation))
+        return "eval output"
+
+    monkeypatch.setattr(sglang_rollout, "generate_rollout", fake)
+    args, source = make_args(tmp_path, prompts), object()
+    assert rollout.generate_rollout(args, 5, source, evaluation=True) == "eval output"
+    assert seen == [(args, 5, source, True)]
+    assert rollout._RUNTIME is None  # no engine client was built for it
+
+
+def test_module_imports_and_fails_clearly_without_slime(tmp_path, prompts):
+    if slime_standin.real_slime_importable():
+        pytest.skip("real slime is importable here")
+    args = make_args(tmp_path, prompts)
+    with pytest.raises(ImportError, match="needs slime"):
+        rollout.AprilDataSource(args)
+
+
+def test_get_samples_serves_buffered_groups_first_like_slimes_buffer(cluster, tmp_path, prompts):
+    # for a rollout function other than ours (slime's own generate resumes from sample.tokens)
+    Sample = importlib.import_module("slime.utils.types").Sample
+    args = point_at(make_args(tmp_path, prompts, april_over_sampling_factor=3.0), cluster)
+    source = rollout.AprilDataSource(args)
+    rollout.generate_rollout(args, 0, source)
+    buffered = len(source.buffer)
+    assert buffered > 0
+    groups = source.get_samples(buffered + 2)
+    assert len(groups) == buffered + 2 and len(source.buffer) == 0
+    for group in groups[:buffered]:
+        for s in group:
+            assert s.train_metadata is None
+            assert len(s.rollout_log_probs) == s.response_length == len(s.loss_mask)
+            if s.status is Sample.Status.ABORTED:
+                assert s.response_length > 0
+    fresh = groups[buffered:]
+    assert all(s.status is Sample.Status.PENDING and s.response_length == 0 for g in fresh for s in g)
