@@ -47,6 +47,7 @@ class Trajectory:
     finish_reason: str | None = None
     num_calls: int = 0  # generate calls made (1 + number of resumptions)
     num_aborts: int = 0
+    reward: float | None = None  # set by the reward function once the whole group has finished
 
     @property
     def response_length(self) -> int:
@@ -96,6 +97,7 @@ class Trajectory:
         """Forget everything generated (used when a stale group is restarted from its prompt)."""
         self.response_ids, self.logprobs, self.version_runs = [], [], []
         self.status, self.finish_reason = TrajectoryStatus.PENDING, None
+        self.reward = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -112,6 +114,7 @@ class Trajectory:
             "finish_reason": self.finish_reason,
             "num_calls": self.num_calls,
             "num_aborts": self.num_aborts,
+            "reward": self.reward,
         }
 
     @classmethod

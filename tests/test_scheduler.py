@@ -1,0 +1,571 @@
+"""Scheduler tests: first against an in-process fake engine client (exact control over latency,
+aborts and failures), then against the SGLang-protocol emulator over real HTTP on loopback."""
+
+import asyncio
+import hashlib
+import random
+
+import pytest
+
+from april_slime.buffer import PartialBuffer
+from april_slime.config import AprilConfig
+from april_slime.emulator.testing import start_cluster
+from april_slime.engine import EngineClient, EngineLoad, EngineUnavailable, GenerateResult, HttpTransport
+from april_slime.scheduler import PromptsExhausted, RolloutScheduler, RolloutStepError
+from april_slime.types import Group, Trajectory, TrajectoryStatus
+
+PROMPT_LEN = 4
+
+
+# ====================================================================== fake engine client
+def _h(*parts) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "big")
+
+
+class FakeClient:
+    """Implements EngineClient's methods. Response length, tokens and log-probs are pure functions
+    of (prompt key, seed, position, version); a request of k tokens takes k * token_time seconds
+    and returns the tokens produced so far when aborted."""
+
+    def __init__(self, n_engines=2, token_time=0.002, short=(2, 10), long=(25, 60), long_frac=0.25):
+        self.engine_urls = [f"http://fake-{i}" for i in range(n_engines)]
+        self.token_time = token_time
+        self.short, self.long, self.long_frac = short, long, long_frac
+        self.version = 0
+        self.running: dict[str, tuple[str, asyncio.Event]] = {}
+        self.rids: set[str] = set()
+        self.calls: list[tuple[str, str, list[int], int]] = []
+        self.abort_calls: list[tuple[str, str | None, bool]] = []
+        self.fail = lambda url, rid: False  # -> raise EngineUnavailable for this call
+        self.max_running_seen = 0
+        self.delivered: dict[str, int] = {}  # trajectory uid -> tokens returned over all its calls
+
+    def natural_length(self, key, seed) -> int:
+        rng = random.Random(_h("len", key, seed))
+        lo, hi = self.long if rng.random() < self.long_frac else self.short
+        return rng.randint(lo, hi)
+
+    @staticmethod
+    def token(key, seed, pos, version) -> tuple[int, float]:
+        v = _h("tok", key, seed, pos, version)
+        return v % 1000 + 5, -((v >> 20) % 1000) / 250.0
+
+    async def generate(self, engine_url, input_ids, *, max_new_tokens, rid, sampling_params,
+                       sampling_seed) -> GenerateResult:
+        assert rid not in self.rids, f"rid {rid} reused"
+        assert max_new_tokens > 0
+        self.rids.add(rid)
+        self.calls.append((engine_url, rid, list(input_ids), max_new_tokens))
+        if self.fail(engine_url, rid):
+            await asyncio.sleep(self.token_time)
+            raise EngineUnavailable(f"{engine_url}: injected failure for {rid}")
+        key = tuple(input_ids[:PROMPT_LEN])
+        start = len(input_ids) - PROMPT_LEN
+        natural_left = self.natural_length(key, sampling_seed) - start
+        n = min(max(natural_left, 1), max_new_tokens)
+        finish = "stop" if natural_left <= max_new_tokens else "length"
+        abort = asyncio.Event()
+        self.running[rid] = (engine_url, abort)
+        self.max_running_seen = max(self.max_running_seen, len(self.running))
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            await asyncio.wait_for(abort.wait(), n * self.token_time)
+            n = min(n, int((loop.time() - t0) / self.token_time))
+            finish = "abort"
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            del self.running[rid]
+        version = self.version
+        uid = rid.split("#")[0]
+        self.delivered[uid] = self.delivered.get(uid, 0) + n
+        toks = [self.token(key, sampling_seed, start + i, version) for i in range(n)]
+        return GenerateResult(output_ids=[t for t, _ in toks], logprobs=[lp for _, lp in toks],
+                              finish_reason=finish, weight_version=version, prompt_tokens=len(input_ids),
+                              completion_tokens=n, engine_url=engine_url)
+
+    async def abort(self, engine_url, rid=None, abort_all=False):
+        self.abort_calls.append((engine_url, rid, abort_all))
+        for r, (url, event) in list(self.running.items()):
+            if url == engine_url and (abort_all or r == rid):
+                event.set()
+
+    async def loads(self):
+        return [EngineLoad(url=u, num_running=sum(1 for x, _ in self.running.values() if x == u),
+                           num_waiting=0, used_tokens=0, capacity_tokens=1000, retractions=0)
+                for u in self.engine_urls]
+
+    def expected(self, t: Trajectory) -> tuple[list[int], list[float]]:
+        toks = [self.token(tuple(t.prompt_ids[:PROMPT_LEN]), t.sampling_seed, p, v)
+                for p, v in enumerate(t.token_versions())]
+        return [x for x, _ in toks], [lp for _, lp in toks]
+
+
+class Prompts:
+    def __init__(self, n_samples, max_new_tokens=40, limit=None):
+        self.n, self.max_new, self.limit = n_samples, max_new_tokens, limit
+        self.made: list[str] = []
+
+    def next_groups(self, k, current_version):
+        if self.limit is not None:
+            k = min(k, self.limit - len(self.made))
+        out = []
+        for _ in range(k):
+            i = len(self.made)
+            uid = f"p{i}"
+            prompt = [i * 7 + 1, i * 7 + 2, i * 7 + 3, i * 7 + 4]
+            trajs = [Trajectory(uid=f"{uid}/{j}", group_uid=uid, index_in_group=j, prompt_ids=prompt,
+                                max_new_tokens=self.max_new, sampling_seed=1000 + j) for j in range(self.n)]
+            out.append(Group(uid=uid, prompt_ids=prompt, trajectories=trajs, created_version=current_version))
+            self.made.append(uid)
+        return out
+
+
+def make(policy="copris", *, client=None, batch=4, n=3, buffer=None, **kw):
+    cfg_keys = {k: kw.pop(k) for k in list(kw) if k in AprilConfig.__dataclass_fields__}
+    config = AprilConfig.from_dict({"policy": policy, **cfg_keys})
+    client = client or FakeClient()
+    buffer = buffer if buffer is not None else PartialBuffer.from_config(config)
+    sched = RolloutScheduler(config, client, buffer, rollout_batch_size=batch, n_samples_per_prompt=n,
+                             sampling_params={"temperature": 1.0}, **kw)
+    return sched, client, buffer
+
+
+def check_aligned(t: Trajectory):
+    assert len(t.response_ids) == len(t.logprobs) == sum(c for _, c in t.version_runs)
+    assert t.status is not TrajectoryStatus.RUNNING
+
+
+def check_tokens_delivered(client, groups):
+    """Every token the engine returned sits in its trajectory: none lost, none invented."""
+    for g in groups:
+        for t in g.trajectories:
+            assert t.response_length == client.delivered.get(t.uid, 0), t.uid
+
+
+def check_conservation(prompts, returned_uids, buffer, discarded=0):
+    """Every group ever made is returned exactly once, in the buffer, or counted as discarded."""
+    assert len(returned_uids) == len(set(returned_uids)), "a group was returned twice"
+    buffered = [g.uid for g in buffer.groups()]
+    assert not set(buffered) & set(returned_uids)
+    assert len(returned_uids) + len(buffered) + discarded == len(prompts.made)
+    for g in buffer.groups():
+        for t in g.trajectories:
+            check_aligned(t)
+
+
+# ====================================================================== fake-client tests
+@pytest.mark.parametrize("policy", ["sync", "april", "copris"])
+async def test_each_policy_returns_exact_batch_and_never_repeats(policy):
+    sched, client, buffer = make(policy, batch=4, n=3, concurrency=6)
+    prompts = Prompts(3)
+    returned = []
+    for step in range(4):
+        res = await sched.run_step(prompts, current_version=step)
+        assert len(res.groups) == 4
+        for g in res.groups:
+            assert g.complete and len(g.trajectories) == 3
+            for t in g.trajectories:
+                check_aligned(t)
+                assert client.expected(t) == (t.response_ids, t.logprobs)
+        returned += [g.uid for g in res.groups]
+        check_conservation(prompts, returned, buffer)
+        check_tokens_delivered(client, [*res.groups, *buffer.groups()])
+        m = res.metrics
+        assert all(k.startswith("april/") for k in m)
+        assert m["april/returned_groups"] == 4
+        assert m["april/buffer_groups"] == len(buffer)
+        client.version += 1
+    if policy == "sync":
+        assert client.abort_calls == [] and len(buffer) == 0
+        assert len(client.calls) == 4 * 4 * 3
+    else:
+        assert client.abort_calls  # aborted at target
+    rids = [c[1] for c in client.calls]
+    assert len(rids) == len(set(rids))
+
+
+async def test_copris_keeps_exactly_n_prime_in_flight_and_resumes_partials():
+    sched, client, buffer = make("copris", batch=3, n=2, concurrency=5)
+    prompts = Prompts(2, max_new_tokens=50)
+    returned, saw_resume = [], False
+    for step in range(4):
+        res = await sched.run_step(prompts, current_version=step)
+        timeline = sched.last_timeline
+        assert timeline and all(p.in_flight <= 5 and p.limit == 5 for p in timeline)
+        working = [p for p in timeline if p.work_remaining]
+        assert working and all(p.in_flight == 5 for p in working)
+        assert timeline[-1].in_flight == 0
+        assert res.metrics["april/inflight_min_while_work"] == 5
+        assert res.metrics["april/inflight_max"] == 5
+        assert 0 < res.metrics["april/inflight_mean"] <= 5
+        assert client.max_running_seen <= 5
+        returned += [g.uid for g in res.groups]
+        check_conservation(prompts, returned, buffer)
+        check_tokens_delivered(client, [*res.groups, *buffer.groups()])
+        assert res.metrics["april/aborted_tokens"] > 0
+        # what the abort left behind is in the buffer with its tokens
+        assert res.metrics["april/buffer_partial_trajectories"] == buffer.num_partial_trajectories()
+        for g in res.groups:
+            for t in g.trajectories:
+                assert client.expected(t) == (t.response_ids, t.logprobs)
+                if len(t.version_runs) > 1:
+                    saw_resume = True
+        if step:
+            assert res.metrics["april/resumed_groups"] >= 1
+        client.version += 1
+    assert saw_resume, "no returned sample spanned two policy versions"
+
+
+async def test_partial_resubmission_sends_prompt_plus_partial_with_reduced_budget():
+    client = FakeClient(token_time=0.003, short=(4, 8), long=(40, 40), long_frac=0.5)
+    sched, _, buffer = make("copris", client=client, batch=1, n=2, concurrency=8)
+    prompts = Prompts(2, max_new_tokens=40)
+    await sched.run_step(prompts, current_version=0)
+    partials = {t.uid: t.response_length for g in buffer.groups() for t in g.trajectories
+                if t.response_length and not t.status.finished}
+    assert partials
+    client.calls.clear()
+    await sched.run_step(prompts, current_version=1)
+    sent = {rid.split("#")[0]: (ids, budget) for _, rid, ids, budget in client.calls}
+    for uid, had in partials.items():
+        ids, budget = sent[uid]
+        assert len(ids) == PROMPT_LEN + had and budget == 40 - had
+
+
+async def test_trajectory_without_budget_is_truncated_without_a_call():
+    sched, client, buffer = make("copris", batch=1, n=2)
+    prompts = Prompts(2, max_new_tokens=5)
+    g = prompts.next_groups(1, 0)[0]
+    t = g.trajectories[0]
+    t.append([7] * 5, [-1.0] * 5, 0)
+    t.status = TrajectoryStatus.ABORTED
+    buffer.put(g)
+    res = await sched.run_step(prompts, current_version=0)
+    assert res.groups[0].uid == g.uid
+    assert t.status is TrajectoryStatus.TRUNCATED and t.response_length == 5
+    assert not any(rid.startswith(t.uid) for _, rid, _, _ in client.calls)
+    assert res.metrics["april/truncated_without_call"] == 1
+
+
+@pytest.mark.parametrize("action", ["restart", "drop"])
+async def test_staleness_bound_enforced(action):
+    sched, client, buffer = make("april", batch=3, n=2, max_staleness=0, stale_action=action,
+                                 over_sampling_factor=3.0)
+    prompts = Prompts(2, max_new_tokens=50)
+    returned, dropped = [], 0
+    for step in range(3):
+        res = await sched.run_step(prompts, current_version=step)
+        for g in res.groups:
+            for t in g.trajectories:
+                assert t.staleness(step) == 0 and t.offpolicy_tokens(step) == 0
+        assert res.metrics["april/offpolicy_token_fraction"] == 0
+        assert res.metrics["april/staleness_max"] == 0
+        assert res.metrics["april/staleness_hist/0"] == 6
+        returned += [g.uid for g in res.groups]
+        client.version += 1
+        dropped = buffer.dropped_groups
+        check_conservation(prompts, returned, buffer, discarded=dropped)
+    if action == "restart":
+        assert buffer.restarted_groups > 0 and buffer.dropped_groups == 0
+        assert buffer.restarted_tokens > 0
+    else:
+        assert buffer.dropped_groups > 0 and buffer.restarted_groups == 0
+
+
+async def test_staleness_metrics_without_bound():
+    sched, client, buffer = make("copris", batch=2, n=2, concurrency=6)
+    prompts = Prompts(2, max_new_tokens=60)
+    hist_seen = set()
+    for step in range(4):
+        res = await sched.run_step(prompts, current_version=step)
+        ts = [t for g in res.groups for t in g.trajectories]
+        lag = [t.staleness(step) for t in ts]
+        assert res.metrics["april/staleness_max"] == max(lag)
+        assert res.metrics["april/staleness_mean"] == pytest.approx(sum(lag) / len(lag))
+        assert sum(v for k, v in res.metrics.items() if k.startswith("april/staleness_hist/")) == len(ts)
+        tokens = sum(t.response_length for t in ts)
+        off = sum(t.offpolicy_tokens(step) for t in ts)
+        assert res.metrics["april/offpolicy_token_fraction"] == pytest.approx(off / tokens)
+        hist_seen |= {k for k in res.metrics if k.startswith("april/staleness_hist/")}
+        client.version += 1
+    assert len(hist_seen) > 1
+
+
+async def test_filter_rejections_and_surplus_recycling():
+    async def slow_reward(group):
+        await asyncio.sleep(0.03)  # groups keep completing while earlier ones are being rewarded
+        for t in group.trajectories:
+            t.reward = float(t.response_length % 2)
+
+    rejected = set()
+
+    def keep(group):
+        ok = int(group.uid[1:]) % 3 != 1
+        if not ok:
+            rejected.add(group.uid)
+        return ok
+
+    client = FakeClient(token_time=0.002, long_frac=0.0)
+    sched, _, buffer = make("april", client=client, batch=3, n=2, reward_fn=slow_reward, group_filter=keep,
+                            over_sampling_factor=3.0)
+    prompts = Prompts(2)
+    res = await sched.run_step(prompts, current_version=0)
+    assert len(res.groups) == 3 and all(keep(g) for g in res.groups)
+    assert all(t.reward is not None for g in res.groups for t in g.trajectories)
+    m = res.metrics
+    assert m["april/filtered_groups"] == len(rejected) > 0
+    assert m["april/discarded_tokens"] > 0
+    surplus = [g for g in buffer.groups() if g.complete]
+    assert m["april/surplus_groups"] == len(surplus) > 0
+    check_conservation(prompts, [g.uid for g in res.groups], buffer, discarded=len(rejected))
+    # surplus groups are used first next step, without regenerating or re-rewarding them
+    calls_before = len(client.calls)
+    res2 = await sched.run_step(prompts, current_version=0)
+    returned2 = {g.uid for g in res2.groups}
+    assert {g.uid for g in surplus[:3]} <= returned2
+    if len(surplus) >= 3:
+        assert len(client.calls) == calls_before
+    check_conservation(prompts, [g.uid for g in res.groups + res2.groups], buffer, discarded=len(rejected))
+
+
+async def test_surplus_discarded_when_not_returned():
+    async def slow_reward(group):
+        await asyncio.sleep(0.03)
+
+    client = FakeClient(long_frac=0.0)
+    sched, _, buffer = make("april", client=client, batch=2, n=2, reward_fn=slow_reward,
+                            return_surplus=False, over_sampling_factor=4.0)
+    prompts = Prompts(2)
+    res = await sched.run_step(prompts, current_version=0)
+    m = res.metrics
+    assert m["april/surplus_groups"] == m["april/surplus_discarded_groups"] > 0
+    assert not any(g.complete for g in buffer.groups())
+    check_conservation(prompts, [g.uid for g in res.groups], buffer,
+                       discarded=int(m["april/surplus_discarded_groups"]))
+
+
+async def test_engine_failures_are_retried_without_loss():
+    client = FakeClient()
+    client.fail = lambda url, rid: url.endswith("-0") and rid.endswith("#0")  # first calls on e0 fail
+    sched, _, buffer = make("copris", client=client, batch=4, n=2, concurrency=6)
+    prompts = Prompts(2)
+    returned = []
+    for step in range(2):
+        res = await sched.run_step(prompts, current_version=step)
+        assert len(res.groups) == 4
+        returned += [g.uid for g in res.groups]
+        check_conservation(prompts, returned, buffer)
+        if step == 0:
+            assert res.metrics["april/engine_errors"] > 0
+        for g in res.groups:
+            for t in g.trajectories:
+                assert client.expected(t) == (t.response_ids, t.logprobs)
+        client.version += 1
+
+
+async def test_persistent_engine_failure_raises_and_keeps_everything():
+    client = FakeClient(token_time=0.002)
+    sched, _, buffer = make("copris", client=client, batch=3, n=2, concurrency=4,
+                            max_failures_per_trajectory=2)
+    prompts = Prompts(2)
+    await sched.run_step(prompts, current_version=0)
+    snapshot = {g.uid: g.to_dict() for g in buffer.groups()}
+    client.fail = lambda url, rid: True
+    with pytest.raises(RolloutStepError, match="failed 3 engine calls"):
+        await sched.run_step(prompts, current_version=1)
+    check_conservation(prompts, [], buffer, discarded=3)  # 3 returned by the first step
+    for g in buffer.groups():
+        if g.uid in snapshot:  # failed calls appended nothing
+            before = snapshot[g.uid]["trajectories"]
+            assert [t.response_ids for t in g.trajectories] == [t["response_ids"] for t in before]
+    assert not client.running
+    client.fail = lambda url, rid: False
+    res = await sched.run_step(prompts, current_version=1)
+    assert len(res.groups) == 3
+
+
+async def test_reward_error_puts_everything_back():
+    async def bad_reward(group):
+        raise RuntimeError("judge down")
+
+    sched, client, buffer = make("copris", batch=2, n=2, concurrency=4, reward_fn=bad_reward)
+    prompts = Prompts(2)
+    with pytest.raises(RolloutStepError, match="judge down"):
+        await sched.run_step(prompts, current_version=0)
+    check_conservation(prompts, [], buffer)
+    assert any(g.complete for g in buffer.groups())
+    assert not client.running
+
+
+async def test_exhausted_prompt_source_raises_and_buffers():
+    sched, client, buffer = make("copris", batch=4, n=2, concurrency=4)
+    prompts = Prompts(2, limit=3)
+    with pytest.raises(PromptsExhausted):
+        await sched.run_step(prompts, current_version=0)
+    check_conservation(prompts, [], buffer)
+    assert len(buffer) == 3 and all(g.complete for g in buffer.groups())
+
+
+async def test_adaptive_controller_changes_concurrency():
+    class Controller:
+        def __init__(self):
+            self.targets = iter([8, 8, 3, 3])
+            self.seen = []
+
+        def initial(self):
+            return 4
+
+        def observe(self, loads, now):
+            self.seen.append(sum(l.num_running for l in loads))
+            return next(self.targets, 3)
+
+    ctrl = Controller()
+    client = FakeClient(token_time=0.004, long_frac=0.5)
+    sched, _, buffer = make("copris", client=client, batch=6, n=2, controller=ctrl,
+                            load_poll_interval_s=0.02)
+    res = await sched.run_step(Prompts(2), current_version=0)
+    limits = [p.limit for p in sched.last_timeline]
+    assert limits[0] == 4 and 8 in limits and limits[-1] == 3
+    assert max(p.in_flight for p in sched.last_timeline) == 8
+    for p in sched.last_timeline:  # growth fills at once; shrink only stops refilling
+        if p.work_remaining and p.limit == 8:
+            assert p.in_flight == 8
+    assert ctrl.seen and res.metrics["april/concurrency_limit"] == 3
+
+
+# ====================================================================== emulator over HTTP
+
+EMU_SEED = 11
+TIME_SCALE = 10.0
+
+
+class EmuPrompts(Prompts):
+    """Six-token prompts (the emulator keys a prompt on its first four tokens)."""
+
+    def next_groups(self, k, current_version):
+        groups = super().next_groups(k, current_version)
+        for g in groups:
+            i = int(g.uid[1:])
+            g.prompt_ids = [10 + i, 20 + 3 * i, 30 + 7 * i, 40 + 11 * i, 5, 6]
+            for t in g.trajectories:
+                t.prompt_ids = list(g.prompt_ids)
+        return groups
+
+
+class FlakyTransport(HttpTransport):
+    """Real HTTP, except that generate calls to the engines in ``broken`` cannot connect."""
+
+    def __init__(self):
+        super().__init__()
+        self.broken: set[str] = set()
+
+    async def request(self, method, url, path, payload, timeout_s):
+        if path == "/generate" and url in self.broken:
+            raise ConnectionError(f"{url} refused the connection")
+        return await super().request(method, url, path, payload, timeout_s)
+
+
+@pytest.fixture
+async def emulator():
+    async with start_cluster(num_engines=2, seed=EMU_SEED, time_scale=TIME_SCALE, length="short") as running:
+        transport = FlakyTransport()
+        client = await EngineClient.from_router(running.router_url, transport=transport, timeout_s=60.0,
+                                                max_retries=1, retry_backoff_s=0.01)
+        try:
+            yield running, client, transport
+        finally:
+            await client.close()
+            await transport.close()
+
+
+def check_reference(model, t: Trajectory):
+    ids, lps = model.reference(t.prompt_ids, t.sampling_seed, len(t.prompt_ids), t.token_versions())
+    assert t.response_ids == ids
+    assert t.logprobs == pytest.approx(lps, abs=0, rel=1e-12)
+
+
+@pytest.mark.parametrize("policy", ["sync", "april", "copris"])
+async def test_emulator_policies_exact_batches_and_reference_streams(emulator, policy):
+    running, client, _ = emulator
+    model = running.cluster.model
+    sched, _, buffer = make(policy, client=client, batch=4, n=2, concurrency=6)
+    prompts = EmuPrompts(2, max_new_tokens=96)
+    returned, multi_version = [], 0
+    for step in range(3):
+        res = await sched.run_step(prompts, current_version=step)
+        assert len(res.groups) == 4 and all(g.complete for g in res.groups)
+        returned += [g.uid for g in res.groups]
+        check_conservation(prompts, returned, buffer)
+        for g in [*res.groups, *buffer.groups()]:
+            for t in g.trajectories:
+                check_reference(model, t)
+                multi_version += len(t.version_runs) > 1
+        if policy == "copris":
+            tl = sched.last_timeline
+            assert all(p.in_flight <= 6 for p in tl)
+            assert all(p.in_flight == 6 for p in tl if p.work_remaining)
+        assert running.cluster.bump_weight_version() == step + 1
+    if policy != "sync":
+        assert any(t.response_length and not t.status.finished for g in buffer.groups()
+                   for t in g.trajectories)
+        assert multi_version > 0, "no sample was resumed across a weight update"
+    else:
+        assert len(buffer) == 0
+
+
+async def test_emulator_staleness_bound_and_filter(emulator):
+    running, client, _ = emulator
+    rejected = []
+
+    def keep(group):
+        ok = sum(t.response_length for t in group.trajectories) % 4 != 0
+        if not ok:
+            rejected.append(group.uid)
+        return ok
+
+    sched, _, buffer = make("copris", client=client, batch=3, n=2, concurrency=10, max_staleness=1,
+                            group_filter=keep)
+    prompts = EmuPrompts(2, max_new_tokens=128)
+    returned = []
+    for step in range(4):
+        res = await sched.run_step(prompts, current_version=step)
+        assert len(res.groups) == 3 and all(keep(g) for g in res.groups)
+        for g in res.groups:
+            for t in g.trajectories:
+                assert t.staleness(step) <= 1
+                check_reference(running.cluster.model, t)
+        returned += [g.uid for g in res.groups]
+        check_conservation(prompts, returned, buffer, discarded=len(set(rejected)))
+        running.cluster.bump_weight_version()
+
+
+async def test_emulator_engine_failure_mid_step(emulator):
+    running, client, transport = emulator
+    sched, _, buffer = make("copris", client=client, batch=4, n=2, concurrency=6,
+                            max_failures_per_trajectory=2)
+    prompts = EmuPrompts(2, max_new_tokens=96)
+    await sched.run_step(prompts, current_version=0)
+    transport.broken = {client.engine_urls[0]}
+    running.cluster.bump_weight_version()
+    res = await sched.run_step(prompts, current_version=1)  # engine 1 carries the step alone
+    assert len(res.groups) == 4
+    assert res.metrics["april/engine_errors"] >= 1
+    returned = [g.uid for g in res.groups]
+    check_conservation(prompts, returned, buffer, discarded=4)
+    for g in [*res.groups, *buffer.groups()]:
+        for t in g.trajectories:
+            check_reference(running.cluster.model, t)
+    # every engine down: a clear error, and every group is still somewhere, unchanged
+    transport.broken = set(client.engine_urls)
+    before = {g.uid: [t.response_ids for t in g.trajectories] for g in buffer.groups()}
+    with pytest.raises(RolloutStepError, match="failed 3 engine calls"):
+        await sched.run_step(prompts, current_version=1)
+    check_conservation(prompts, returned, buffer, discarded=4)
+    for g in buffer.groups():
+        if g.uid in before:
+            assert [t.response_ids for t in g.trajectories] == before[g.uid]
+    transport.broken = set()
+    res = await sched.run_step(prompts, current_version=1)
+    assert len(res.groups) == 4
