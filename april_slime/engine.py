@@ -578,12 +578,20 @@ class EngineClient:
 
     async def weight_version(self, engine_url: str) -> int:
         engine_url = _normalise_url(engine_url)
-        reply = await self._call(
-            engine_url, "GET", "/get_weight_version", None, timeout_s=self.control_timeout_s
-        )
+        path = "/get_weight_version"
+        try:
+            reply = await self._call(engine_url, "GET", path, None, timeout_s=self.control_timeout_s)
+        except EngineError as exc:
+            # Upstream SGLang answers the old path with 404 and serves the version from
+            # /model_info; slime's own SGLang patch keeps the old path, so try that one first.
+            cause = exc.__cause__
+            if not (isinstance(cause, TransportHTTPError) and cause.status == 404):
+                raise
+            path = "/model_info"
+            reply = await self._call(engine_url, "GET", path, None, timeout_s=self.control_timeout_s)
         value = reply.get("weight_version") if isinstance(reply, dict) else None
         return self._counting_reply_errors(
-            engine_url, _parse_weight_version, value, f"engine {engine_url} GET /get_weight_version"
+            engine_url, _parse_weight_version, value, f"engine {engine_url} GET {path}"
         )
 
     async def close(self) -> None:

@@ -270,9 +270,8 @@ class _SampleCodec:
         s.rollout_log_probs = [float(lp) for lp in t.logprobs]
         s.loss_mask = self._loss_mask(t, current_version)
         s.status = Sample.Status[_STATUS_TO_SLIME[t.status]]
-        # slime keeps one engine-reported string per generate call; a resumption within the same
-        # version extends the same run, so this lists the versions in the order they generated.
-        s.weight_versions = [str(v) for v, _ in t.version_runs]
+        # slime keeps one engine-reported string per generate call, resumptions included.
+        s.weight_versions = [str(v) for v in t.call_versions]
         s.reward = t.reward
         runs = [[int(v), int(c)] for v, c in t.version_runs]
         info = {TOKEN_VERSIONS_KEY: runs, POLICY_VERSION_KEY: current_version}

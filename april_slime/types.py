@@ -47,7 +47,12 @@ class Trajectory:
     finish_reason: str | None = None
     num_calls: int = 0  # generate calls made (1 + number of resumptions)
     num_aborts: int = 0
-    reward: float | None = None  # set by the reward function once the whole group has finished
+    # policy version reported by every generate call that returned, in call order (slime's
+    # Sample.weight_versions); a call that returned no token still counts
+    call_versions: list[int] = field(default_factory=list)
+    # set by the reward function once the whole group has finished; a float, or whatever slime's
+    # reward model returns (a dict with --reward-key)
+    reward: Any = None
 
     @property
     def response_length(self) -> int:
@@ -67,6 +72,7 @@ class Trajectory:
             raise ValueError(f"{self.uid}: {len(output_ids)} tokens but {len(logprobs)} log-probs")
         if not all(math.isfinite(lp) for lp in logprobs):
             raise ValueError(f"{self.uid}: non-finite log-prob in engine output")
+        self.call_versions.append(version)
         if not output_ids:
             return
         self.response_ids.extend(output_ids)
@@ -95,7 +101,7 @@ class Trajectory:
 
     def reset(self) -> None:
         """Forget everything generated (used when a stale group is restarted from its prompt)."""
-        self.response_ids, self.logprobs, self.version_runs = [], [], []
+        self.response_ids, self.logprobs, self.version_runs, self.call_versions = [], [], [], []
         self.status, self.finish_reason = TrajectoryStatus.PENDING, None
         self.reward = None
 
@@ -114,6 +120,7 @@ class Trajectory:
             "finish_reason": self.finish_reason,
             "num_calls": self.num_calls,
             "num_aborts": self.num_aborts,
+            "call_versions": list(self.call_versions),
             "reward": self.reward,
         }
 

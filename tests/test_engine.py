@@ -421,6 +421,21 @@ async def test_abort_failure_raises(server):
     assert len(server.requests) == 2
 
 
+async def test_weight_version_falls_back_to_model_info_on_404(server):
+    # Upstream SGLang moved the version to /model_info and answers the old path with 404.
+    server.script["/get_weight_version"] = [(404, {"detail": "deprecated"})]
+    server.script["/model_info"] = [{"model_path": "m", "weight_version": "5"}]
+    client = EngineClient([server.url], **FAST)
+    try:
+        assert await client.weight_version(server.url) == 5
+        assert server.paths() == ["/get_weight_version", "/model_info"]
+        server.script["/get_weight_version"] = [(400, {"detail": "bad"})]
+        with pytest.raises(EngineError, match="HTTP 400"):
+            await client.weight_version(server.url)
+    finally:
+        await client.close()
+
+
 async def test_weight_version(server):
     server.script["/get_weight_version"] = [{"weight_version": "12"}, {"weight_version": None}]
     client = EngineClient([server.url], **FAST)

@@ -173,7 +173,10 @@ def check_train_output(output, args, version):
             assert sum(c for _, c in runs) == s.response_length
             assert all(v <= version for v, _ in runs)
             assert s.train_metadata[rollout.POLICY_VERSION_KEY] == version
-            assert s.weight_versions == [str(v) for v, _ in runs]
+            call_versions = [int(v) for v in s.weight_versions]  # one per generate call
+            assert len(call_versions) == s.metadata["april_num_calls"]
+            assert call_versions == sorted(call_versions)
+            assert set(call_versions) >= {v for v, _ in runs}
             assert s.metadata[rollout.TOKEN_VERSIONS_KEY] == runs
             if s.status is Sample.Status.TRUNCATED:
                 assert s.response_length == args.rollout_max_response_len
