@@ -34,6 +34,22 @@ of the per-sample token mean. Non-additive statistics are reported through addit
   token fraction in the bucket, ``ratio_mass`` the same fraction weighted by pi_old / pi_rollout,
   so ``ratio_mass / tokens`` is the bucket's mean behaviour ratio.
 
+VCPO (``april_slime.vcpo``; needs ``april_slime.vcpo.before_train_step`` as slime's
+before-train-step hook, which creates the job's ``vcpo.runtime()``):
+
+* ``april_vcpo_lr_scaling``: every micro-batch adds the unclipped sequence log-weights
+  ``sum_t m_t (log pi_theta - log pi_rollout)`` (pi_theta = the policy of this forward, in every
+  mode) to the step's ESS statistics; the optimizer step reduces them across ranks and scales the
+  learning rate. Nothing else in the loss changes.
+* ``april_vcpo_baseline``: the policy-gradient term is ``vcpo.opob_policy_loss`` (sequence-level
+  corrected weight times the summed response NLL, a plain sum over samples that slime's loss
+  scaling turns into the step mean), with the off-policy optimal baseline applied to the
+  gradients after the last micro-batch. Defined for ``april_is_mode: copris`` with
+  ``april_is_level: sequence`` only; ``vcpo.check_settings`` refuses everything else. The metrics
+  keep their keys (``april/ratio_*`` is then the unclipped sequence ratio, ``pg_clipfrac`` 0).
+
+The TIS hook refuses both VCPO settings: it only sees the recomputed log-probs.
+
 Per-token policy versions reach the loss only through the repository's slime patch. They are read
 from ``batch["april_token_versions_rle"]`` (one ``[[version, count], ...]`` list per sample) or,
 failing that, from ``batch["metadata"][i]["april_token_versions_rle"]`` (``Sample.train_metadata``).
@@ -48,7 +64,7 @@ from typing import Any, Callable
 
 import torch
 
-from april_slime import offpolicy
+from april_slime import offpolicy, vcpo
 from april_slime.config import AprilConfig, AprilConfigError
 
 VERSIONS_KEY = "april_token_versions_rle"
@@ -295,19 +311,27 @@ def policy_loss(
     mask = _flat(batch["loss_masks"]).to(whole_log_probs.device)
     packing.check("loss_masks", mask)
 
-    objective = offpolicy.policy_objective(
-        whole_log_probs, whole_old.to(whole_log_probs.dtype), whole_rollout, whole_adv, mask, packing,
-        mode=config.is_mode, is_level=config.is_level, correction=config.is_correction,
-        is_low=config.is_low, is_high=config.is_high, eps_clip=args.eps_clip,
-        eps_clip_high=getattr(args, "eps_clip_high", None), eps_clip_c=getattr(args, "eps_clip_c", None),
-        loss_level=loss_level,
-    )
-
     def to_local(x: torch.Tensor) -> torch.Tensor:
         return layout.to_local(x, packing)
 
+    if config.vcpo_baseline:
+        opob = _opob_loss(batch, logits, log_probs, rollout_log_probs, mask)
+        objective = _opob_objective(opob, whole_log_probs, whole_old.to(whole_log_probs.dtype), whole_rollout, mask)
+        pg_loss = opob.loss
+    else:
+        objective = offpolicy.policy_objective(
+            whole_log_probs, whole_old.to(whole_log_probs.dtype), whole_rollout, whole_adv, mask, packing,
+            mode=config.is_mode, is_level=config.is_level, correction=config.is_correction,
+            is_low=config.is_low, is_high=config.is_high, eps_clip=args.eps_clip,
+            eps_clip_high=getattr(args, "eps_clip_high", None), eps_clip_c=getattr(args, "eps_clip_c", None),
+            loss_level=loss_level,
+        )
+        pg_loss = sum_of_sample_mean(to_local(objective.loss))
+    if config.vcpo_lr_scaling:
+        _observe_ess(packing, whole_log_probs, whole_rollout, mask,
+                     opob.seq_log_ratios if config.vcpo_baseline else None)
+
     keep_local = to_local(objective.keep)
-    pg_loss = sum_of_sample_mean(to_local(objective.loss))
     local_log_probs = _flat(log_probs)
     local_old = _flat(old_log_probs).to(local_log_probs)
     entropy_loss = sum_of_sample_mean(_flat(entropy) * keep_local)
@@ -354,6 +378,108 @@ def policy_loss(
     return loss, {k: torch.as_tensor(v, device=logits.device).detach().clone().float() for k, v in metrics.items()}
 
 
+# ------------------------------------------------------------------------------------ VCPO
+def _vcpo_runtime() -> vcpo.VcpoRuntime:
+    rt = vcpo.runtime()
+    if rt is None:
+        raise AprilConfigError(
+            "april_vcpo_lr_scaling / april_vcpo_baseline: the VCPO state of the job is created by the "
+            "before-train-step hook; add --custom-megatron-before-train-step-hook-path "
+            "april_slime.vcpo.before_train_step")
+    return rt
+
+
+def _observe_ess(
+    packing: offpolicy.Packing,
+    whole_log_probs: torch.Tensor,
+    whole_rollout: torch.Tensor | None,
+    mask: torch.Tensor,
+    seq_log_weights: torch.Tensor | None,
+) -> None:
+    """Feed this micro-batch's unclipped sequence log-weights log pi_theta - log pi_rollout to the
+    step's ESS statistics (local; reduced across ranks once, at the optimizer step).
+
+    pi_theta is the policy of this forward, whatever the mode: the full importance weight of the
+    gradient is pi_theta / pi_rollout, which clipping, truncation or the decoupled split only
+    modify; on the first optimizer step of a rollout it equals pi_old / pi_rollout. Samples
+    without a loss-masked token do not enter the gradient and are left out. With
+    --recompute-loss-function the loss runs twice per micro-batch, which observes every sample
+    twice: ESS / N is invariant to that.
+    """
+    if whole_rollout is None:
+        raise AprilConfigError("april_vcpo_lr_scaling needs rollout log-probs in the batch (SGLang "
+                               "return_logprob) to measure the effective sample size")
+    if seq_log_weights is None:
+        seq_log_weights = offpolicy.sequence_log_weights(
+            offpolicy.masked_log_ratio(whole_log_probs.detach(), whole_rollout, mask), packing, mask)
+    has_tokens = packing.sum(mask.to(seq_log_weights.dtype)) > 0
+    _vcpo_runtime().lr_scaler.observe(seq_log_weights, valid=has_tokens)
+
+
+def _per_sample_rewards(advantages: list[torch.Tensor]) -> torch.Tensor:
+    """R_i from slime's advantages, which must be constant over each response (0 for an empty one)."""
+    rewards = []
+    for i, a in enumerate(advantages):
+        if a.numel() and bool((a != a[0]).any()):
+            raise ValueError(f"sample {i}: april_vcpo_baseline needs one reward per sample, constant over the "
+                             "response (april_slime.vcpo.opob_advantages writes them so); got per-token values")
+        rewards.append(a[0].detach().to(torch.float64) if a.numel() else torch.zeros((), dtype=torch.float64))
+    return torch.stack(rewards)
+
+
+def _opob_loss(
+    batch: dict,
+    logits: torch.Tensor,
+    log_probs: list[torch.Tensor],
+    rollout_log_probs: list[torch.Tensor] | None,
+    mask: torch.Tensor,
+) -> vcpo.OpobResult:
+    """VCPO's baselined policy-gradient term for this micro-batch (``vcpo.opob_policy_loss``).
+
+    Settings were checked by ``vcpo.check_settings`` when the runtime was created: copris mode,
+    sequence-level weights, no context parallelism (local = whole responses here), and copris
+    mode has already required the rollout log-probs.
+    """
+    rt = _vcpo_runtime()
+    if rt.grad_norms is None:
+        raise AprilConfigError("april_vcpo_baseline: the before-train-step hook has not attached the model's "
+                               "per-sample gradient hooks")
+    # The layers' activations hold whole samples (prompt and response) back to back, then padding.
+    stream = offpolicy.Packing.from_lengths(batch["total_lengths"], device=logits.device)
+    correction, low, high = rt.is_correction
+    return vcpo.opob_policy_loss(
+        log_probs, rollout_log_probs, list(mask.split([lp.numel() for lp in log_probs])),
+        _per_sample_rewards(list(batch["advantages"])),
+        stream.packed_segment_ids(logits.shape[1]), grad_norms=rt.grad_norms,
+        correction=correction, low=low, high=high)
+
+
+def _opob_objective(
+    opob: vcpo.OpobResult, whole_log_probs: torch.Tensor, whole_old: torch.Tensor, whole_rollout: torch.Tensor,
+    mask: torch.Tensor,
+) -> offpolicy.PolicyObjective:
+    """The per-token view of the OPOB term, so that it reports the same metrics as the PPO path.
+
+    ``loss`` holds the per-token terms w_i * (-log pi_t) whose plain sum is ``opob.loss``; the
+    ratio is the unclipped sequence ratio pi_theta / pi_rollout (nothing is clipped).
+    """
+    packing = opob.packing
+    clean = offpolicy.check_finite({"log_probs": whole_log_probs, "old_log_probs": whole_old.detach()}, mask, packing)
+    behaviour_log_ratio = offpolicy.masked_log_ratio(clean["old_log_probs"], whole_rollout, mask)
+    dtype = whole_old.dtype
+    weight = packing.expand(opob.is_weights.to(dtype))
+    return offpolicy.PolicyObjective(
+        loss=-weight * clean["log_probs"] * mask.to(dtype),
+        ratio=packing.expand(offpolicy.safe_exp(opob.seq_log_ratios).to(dtype)),
+        clipped=torch.zeros_like(mask, dtype=dtype),
+        is_weight=weight,
+        keep=packing.expand(opob.keep.to(dtype)),
+        truncated=packing.expand(opob.truncated.to(dtype)),
+        behaviour_log_ratio=behaviour_log_ratio,
+        sequence_log_weights=offpolicy.sequence_log_weights(behaviour_log_ratio, packing, mask),
+    )
+
+
 # ------------------------------------------------------------------------------- TIS hook
 def tis(
     args: Any,
@@ -376,6 +502,9 @@ def tis(
     flat per-token tensors, which slime reduces with its pre-rejection ``sum_of_sample_mean``.
     """
     config = config_for(args)
+    if config.vcpo_lr_scaling or config.vcpo_baseline:
+        raise AprilConfigError("april_vcpo_lr_scaling / april_vcpo_baseline: the TIS hook only sees the recomputed "
+                               "log-probs and cannot feed VCPO; use the custom loss april_slime.loss.policy_loss")
     apply = bool(getattr(args, "use_tis", False))
     if apply and config.is_mode != "decoupled":
         hint = ("on_policy ignores rollout log-probs: drop --use-tis" if config.is_mode == "on_policy" else

@@ -74,6 +74,32 @@ class Packing:
                                               output_size=sum(sizes))
         return cls(lengths_t, segment_ids, sizes)
 
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: Sequence[int] | torch.Tensor,
+                        device: torch.device | str | None = None) -> "Packing":
+        """From cumulative boundaries ``[0, end_0, end_1, ...]`` (the varlen / thd convention)."""
+        cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+        if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu}")
+        return cls.from_lengths([b - a for a, b in zip(cu, cu[1:])], device=device)
+
+    def packed_segment_ids(self, num_positions: int) -> torch.Tensor:
+        """Sample index of every position of a packed stream [num_positions] that holds the samples
+        back to back followed by padding; padding positions are -1."""
+        if num_positions < self.num_tokens:
+            raise ValueError(f"a stream of {num_positions} positions cannot hold {self.num_tokens} tokens")
+        padding = torch.full((num_positions - self.num_tokens,), -1, dtype=torch.long, device=self.segment_ids.device)
+        return torch.cat([self.segment_ids, padding])
+
+    def padded_segment_ids(self, row_length: int) -> torch.Tensor:
+        """Right-padded layout [N, row_length]: row i holds sample i in its first ``sizes[i]``
+        positions; padding positions are -1."""
+        if any(n > row_length for n in self.sizes):
+            raise ValueError(f"sample lengths {list(self.sizes)} do not fit rows of {row_length}")
+        pos = torch.arange(row_length, device=self.lengths.device)
+        rows = torch.arange(self.num_samples, device=self.lengths.device)[:, None].expand(-1, row_length)
+        return torch.where(pos[None, :] < self.lengths[:, None], rows, torch.full_like(rows, -1))
+
     @property
     def num_samples(self) -> int:
         return len(self.sizes)
@@ -364,20 +390,88 @@ def approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor, kl_type: st
 
 
 # ----------------------------------------------------------------------------------------- ESS
-@dataclass
-class EffectiveSampleSize:
-    """ESS = (sum w)^2 / sum w^2 over sequence weights, reduced across ranks when asked.
+def collective_device(group: "torch.distributed.ProcessGroup | None" = None,
+                      hint: torch.device | str | None = None) -> torch.device | str:
+    """Device for a small collective: NCCL reduces CUDA tensors only, so ranks whose data lives on
+    the host (or that have no data, e.g. other pipeline stages) join with a CUDA tensor."""
+    if hint is not None and torch.device(hint).type != "cpu":
+        return hint
+    if (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_backend(group) == "nccl"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return "cpu"
 
-    ``sum_weights`` and ``sum_sq_weights`` are expressed relative to ``exp(log_shift)`` (the largest
-    log-weight of the batch), which leaves ESS unchanged and keeps the sums finite.
+
+@dataclass
+class EssStats:
+    """Sufficient statistics of the effective sample size of a set of weights given in log space.
+
+    ``ESS = (sum w)^2 / sum w^2`` and ``ess_ratio = ESS / N``. Both are invariant to a common scale
+    of the weights, so the sums are kept relative to ``exp(log_shift)`` (the largest log-weight
+    seen): sequence-level weights (products of hundreds of token ratios) then never overflow.
+    Statistics accumulate with ``add`` (any number of batches; merging rescales to the larger
+    shift) and are combined across ranks with ``reduce`` (one MAX and one SUM all-reduce), so a
+    caller can collect micro-batches locally and reduce once.
     """
 
-    ess: float
-    ess_ratio: float  # ESS / N; 1.0 for an empty batch so that scaling by it is a no-op
-    num_samples: int
-    sum_weights: float
-    sum_sq_weights: float
-    log_shift: float
+    log_shift: float = -math.inf
+    sum_weights: float = 0.0
+    sum_sq_weights: float = 0.0
+    num_samples: int = 0
+
+    def add(self, log_weights: torch.Tensor, valid: torch.Tensor | None = None) -> "EssStats":
+        """Merge the UNCLIPPED log-weights [N] (``valid``, bool [N], excludes samples); returns self."""
+        lw = log_weights.detach().reshape(-1).to(torch.float64)
+        if valid is not None:
+            lw = lw[valid.detach().reshape(-1).to(lw.device).bool()]
+        if lw.numel() == 0:
+            return self
+        finite = torch.isfinite(lw)
+        if not bool(finite.all()):
+            bad = (~finite).nonzero().reshape(-1)[:5].tolist()
+            raise NonFiniteLogProbError(f"non-finite sequence log-weight at positions {bad}: the training or "
+                                        "rollout log-probs contain NaN/inf")
+        batch_shift = float(lw.max())
+        shift = max(self.log_shift, batch_shift)
+        rescale = math.exp(self.log_shift - shift) if self.num_samples else 0.0
+        scaled = torch.exp(lw - shift)
+        sum_w, sum_w2 = torch.stack([scaled.sum(), scaled.square().sum()]).tolist()
+        self.sum_weights = self.sum_weights * rescale + sum_w
+        self.sum_sq_weights = self.sum_sq_weights * rescale * rescale + sum_w2
+        self.log_shift = shift
+        self.num_samples += int(lw.numel())
+        return self
+
+    def reduce(self, group: "torch.distributed.ProcessGroup | None" = None,
+               device: torch.device | str | None = None) -> "EssStats":
+        """The statistics of every rank of ``group`` together (None = the default group).
+
+        A collective when ``torch.distributed`` is initialised: every rank of the group must call
+        it, those without observations too (they contribute zeros). Ranks holding copies of the
+        same samples (tensor- or context-parallel peers) do not bias the ratio: k copies multiply
+        ``(sum w)^2`` and ``N sum w^2`` alike. Without ``torch.distributed`` it returns a copy.
+        """
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return EssStats(self.log_shift, self.sum_weights, self.sum_sq_weights, self.num_samples)
+        device = collective_device(group, device)
+        shift = torch.tensor([self.log_shift], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(shift, op=torch.distributed.ReduceOp.MAX, group=group)
+        global_shift = float(shift.item())
+        rescale = math.exp(self.log_shift - global_shift) if self.num_samples else 0.0
+        sums = torch.tensor([self.sum_weights * rescale, self.sum_sq_weights * rescale * rescale,
+                             float(self.num_samples)], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=group)
+        sum_w, sum_w2, n = sums.tolist()
+        return EssStats(global_shift, sum_w, sum_w2, int(round(n)))
+
+    @property
+    def ess(self) -> float:
+        return self.sum_weights ** 2 / self.sum_sq_weights if self.num_samples else 0.0
+
+    @property
+    def ess_ratio(self) -> float:
+        """ESS / N; 1.0 for no samples, so that scaling by it is a no-op."""
+        return self.ess / self.num_samples if self.num_samples else 1.0
 
 
 def effective_sample_size(
@@ -386,40 +480,16 @@ def effective_sample_size(
     group: "torch.distributed.ProcessGroup | None" = None,
     *,
     reduce: bool = True,
-) -> EffectiveSampleSize:
-    """ESS of UNCLIPPED sequence weights given as log-weights [N].
+) -> EssStats:
+    """ESS of UNCLIPPED sequence weights given as log-weights [N], in one call.
 
-    ``valid`` (bool [N]) excludes samples, e.g. those without any loss-masked token. When
-    ``torch.distributed`` is initialised the max, sum w, sum w^2 and N are all-reduced over
-    ``group`` (None = the default group), so every rank gets the ESS of the global batch; this is a
-    collective, so every rank of the group must call it. ``reduce=False`` keeps it local.
+    ``valid`` (bool [N]) excludes samples, e.g. those without any loss-masked token. With
+    ``reduce`` (default) the statistics are reduced over ``group`` (see ``EssStats.reduce``: a
+    collective when ``torch.distributed`` is initialised), so every rank gets the ESS of the
+    global batch; ``reduce=False`` keeps it local.
     """
-    lw = log_weights.detach().reshape(-1).to(torch.float64)
-    if valid is not None:
-        lw = lw[valid.reshape(-1).bool()]
-    if not bool(torch.isfinite(lw).all()):
-        raise NonFiniteLogProbError("effective_sample_size: non-finite log-weight")
-    distributed = reduce and torch.distributed.is_available() and torch.distributed.is_initialized()
-    device = lw.device
-    if distributed and torch.distributed.get_backend(group) == "nccl" and device.type == "cpu":
-        device = torch.device("cuda", torch.cuda.current_device())
-        lw = lw.to(device)
-    shift = lw.max() if lw.numel() else torch.tensor(-math.inf, dtype=torch.float64, device=device)
-    shift = shift.reshape(1).clone()
-    if distributed:
-        torch.distributed.all_reduce(shift, op=torch.distributed.ReduceOp.MAX, group=group)
-    shift_value = float(shift) if math.isfinite(float(shift)) else 0.0
-    scaled = torch.exp(lw - shift_value)
-    sums = torch.stack([scaled.sum(), scaled.square().sum(),
-                        torch.tensor(float(lw.numel()), dtype=torch.float64, device=device)])
-    if distributed:
-        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=group)
-    sum_w, sum_w2, n = (float(v) for v in sums.tolist())
-    n_int = int(round(n))
-    if n_int == 0:
-        return EffectiveSampleSize(0.0, 1.0, 0, 0.0, 0.0, shift_value)
-    ess = sum_w * sum_w / sum_w2
-    return EffectiveSampleSize(ess, ess / n_int, n_int, sum_w, sum_w2, shift_value)
+    stats = EssStats().add(log_weights, valid)
+    return stats.reduce(group, device=log_weights.device) if reduce else stats
 
 
 # ----------------------------------------------------------------------------------- staleness

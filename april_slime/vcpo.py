@@ -15,10 +15,14 @@ Two independent controls of the variance of an importance-weighted policy gradie
   parameters' gradients while the hooks accumulate ``Q = sum_i R_i w_i grad(-log pi_i)`` in a side
   buffer; after the last micro-batch ``grad = Q - b P``. No second backward pass is run.
 
+The importance-weight and ESS formulas themselves belong to ``april_slime.offpolicy``
+(``EssStats``, ``sequence_log_weights``, ``correct_log_weights``, ``Packing``); this module applies
+them.
+
 slime entry points (see docs/vcpo.md for the exact call order inside slime's Megatron loop):
 ``before_train_step`` (``--custom-megatron-before-train-step-hook-path``), ``opob_advantages``
-(``--custom-advantage-function-path``) and ``runtime()`` / ``opob_policy_loss`` (called from the
-custom loss in ``april_slime.loss``).
+(``--custom-advantage-function-path``); ``april_slime.loss.policy_loss`` (the custom loss) feeds
+``runtime().lr_scaler`` and calls ``opob_policy_loss``.
 
 torch is imported at module level: this module is only used on the training side.
 """
@@ -34,23 +38,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from april_slime import offpolicy
 from april_slime.config import AprilConfig, AprilConfigError
 
 __all__ = [
-    "EssStats",
     "EssLrScaler",
     "PerSampleGradNorms",
     "OpobResult",
-    "segment_ids_from_lengths",
-    "segment_ids_from_cu_seqlens",
-    "sequence_log_ratios",
-    "sequence_is_weights",
     "opob_policy_loss",
+    "finish_opob_step",
     "opob_baseline",
     "reduce_per_sample_sq_norms",
     "VcpoRuntime",
     "runtime",
     "reset_runtime",
+    "check_settings",
     "before_train_step",
     "opob_advantages",
 ]
@@ -60,85 +62,11 @@ def _default_group_active(group) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _collective_device(group, hint=None):
-    """NCCL reduces CUDA tensors only; ranks without data of their own (other pipeline stages)
-    still have to join the collective with a tensor on the right device."""
-    if hint is not None and torch.device(hint).type != "cpu":
-        return hint
-    if _default_group_active(group) and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return "cpu"
-
-
 # ============================================================================ ESS
-@dataclass
-class EssStats:
-    """Sufficient statistics of a set of importance weights, kept in log space.
-
-    ``sum_w = sum exp(log_w - shift)``, ``sum_w2 = sum exp(2 (log_w - shift))``: the ESS ratio is
-    invariant to a common scale of the weights, so a shift keeps sequence-level ratios (products
-    of hundreds of token ratios) from overflowing.
-    """
-
-    shift: float = -math.inf
-    sum_w: float = 0.0
-    sum_w2: float = 0.0
-    count: int = 0
-
-    def add(self, log_w: torch.Tensor) -> None:
-        log_w = log_w.detach().reshape(-1).to(torch.float64)
-        if log_w.numel() == 0:
-            return
-        if not torch.isfinite(log_w).all():
-            bad = (~torch.isfinite(log_w)).nonzero().reshape(-1)[:5].tolist()
-            raise ValueError(f"non-finite sequence log importance ratio at positions {bad}: the "
-                             "training or rollout log-probs contain NaN/inf")
-        new_shift = max(self.shift, float(log_w.max()))
-        rescale = math.exp(self.shift - new_shift) if self.count else 0.0
-        self.sum_w = self.sum_w * rescale + float(torch.exp(log_w - new_shift).sum())
-        self.sum_w2 = self.sum_w2 * rescale * rescale + float(torch.exp(2 * (log_w - new_shift)).sum())
-        self.shift = new_shift
-        self.count += int(log_w.numel())
-
-    def all_reduce(self, group=None, device: torch.device | str = "cpu") -> "EssStats":
-        """Merge the statistics of every rank of ``group`` (two small collectives: MAX then SUM).
-
-        Ranks with no observations (other pipeline stages) contribute zeros. Ranks that hold
-        duplicate copies of the same samples (tensor-parallel peers) do not bias the ratio: k
-        copies multiply ``(sum w)^2`` and ``N sum w^2`` by the same k^2.
-        """
-        if not _default_group_active(group):
-            return EssStats(self.shift, self.sum_w, self.sum_w2, self.count)
-        device = _collective_device(group, device)
-        shift = torch.tensor([self.shift], dtype=torch.float64, device=device)
-        dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
-        global_shift = float(shift.item())
-        rescale = math.exp(self.shift - global_shift) if self.count else 0.0
-        sums = torch.tensor([self.sum_w * rescale, self.sum_w2 * rescale * rescale, float(self.count)],
-                            dtype=torch.float64, device=device)
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        return EssStats(global_shift, float(sums[0]), float(sums[1]), int(round(float(sums[2]))))
-
-    @property
-    def ess(self) -> float:
-        return (self.sum_w ** 2) / self.sum_w2 if self.count else 0.0
-
-    @property
-    def ess_ratio(self) -> float:
-        return self.ess / self.count if self.count else float("nan")
-
-
-def ess_ratio_from_log_weights(log_w: torch.Tensor, group=None) -> float:
-    """ESS / N of the weights ``exp(log_w)`` (reduced over ``group`` when distributed)."""
-    stats = EssStats()
-    stats.add(log_w)
-    return stats.all_reduce(group, device=log_w.device).ess_ratio
-
-
 class EssLrScaler:
     """Owns the ESS learning-rate rule: rho_on, the statistics of the current step, the last scale.
 
-    Call order per optimizer step: ``begin_step()`` -> ``observe(seq_log_ratio)`` for every
+    Call order per optimizer step: ``begin_step()`` -> ``observe(seq_log_weights)`` for every
     micro-batch of the step -> the optimizer step runs inside ``scaled_lr(optimizer)`` (which
     reduces the statistics across ranks, multiplies every param group's ``lr`` by the factor and
     puts the exact previous values back afterwards, whatever the step does). ``wrap_optimizer``
@@ -160,7 +88,7 @@ class EssLrScaler:
         self.scale_min = scale_min
         self.scale_max = scale_max
         self.group = group
-        self._stats = EssStats()
+        self._stats = offpolicy.EssStats()
         self._device: torch.device | str = "cpu"
         self.last_ess_ratio: float = float("nan")
         self.last_scale: float = 1.0
@@ -168,19 +96,22 @@ class EssLrScaler:
 
     # -- per step --------------------------------------------------------------------------
     def begin_step(self) -> None:
-        self._stats = EssStats()
+        self._stats = offpolicy.EssStats()
 
-    def observe(self, seq_log_ratio: torch.Tensor) -> None:
-        """Unclipped sequence log importance ratios ``log pi_theta(y|x) - log mu(y|x)`` of samples
-        of the current step (any number of calls per step; the full sequence, not a CP chunk)."""
-        self._device = seq_log_ratio.device
-        self._stats.add(seq_log_ratio)
+    def observe(self, seq_log_weights: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Unclipped sequence log importance weights ``log pi_theta(y|x) - log mu(y|x)`` [N] of
+        samples of the current step (any number of calls per step; whole sequences, not CP chunks;
+        ``valid`` excludes samples). Local only: the cross-rank reduction waits for the optimizer
+        step, because data-parallel ranks may run different numbers of micro-batches."""
+        self._device = seq_log_weights.device
+        self._stats.add(seq_log_weights, valid)
 
     def compute_scale(self) -> float:
         """Collective over ``group``: every rank must call it once per step."""
-        stats = self._stats.all_reduce(self.group, device=self._device)
-        if stats.count == 0:
-            # Nothing was measured (e.g. a loss without the VCPO call): leave the step unscaled.
+        stats = self._stats.reduce(self.group, device=self._device)
+        if stats.num_samples == 0:
+            # Nothing was measured anywhere (e.g. a loss that does not feed the scaler): leave
+            # the step unscaled.
             self.last_ess_ratio, self.last_scale = float("nan"), 1.0
             return 1.0
         ratio = stats.ess_ratio
@@ -205,7 +136,7 @@ class EssLrScaler:
             # redundant, but a skipped step (inf/nan grads: no scheduler step) must not keep it.
             for group, lr in zip(groups, saved):
                 group["lr"] = lr
-            self._stats = EssStats()
+            self._stats = offpolicy.EssStats()
 
     def wrap_optimizer(self, optimizer) -> None:
         """Make ``optimizer.step()`` run inside ``scaled_lr`` (idempotent, instance-level)."""
@@ -236,36 +167,6 @@ class EssLrScaler:
     def metrics(self) -> dict[str, float]:
         return {"vcpo/ess_ratio": self.last_ess_ratio, "vcpo/lr_scale": self.last_scale,
                 "vcpo/rho_on": float("nan") if self.rho_on is None else self.rho_on}
-
-
-# ============================================================================ segments
-def segment_ids_from_lengths(lengths: Sequence[int] | torch.Tensor, padded_length: int,
-                             device=None) -> torch.Tensor:
-    """Right-padded batch ``[B, padded_length]``: sample b owns its first ``lengths[b]`` tokens;
-    padding is -1 (ignored)."""
-    lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
-    if (lengths > padded_length).any() or (lengths < 0).any():
-        raise ValueError(f"lengths must lie in [0, {padded_length}], got {lengths.tolist()}")
-    pos = torch.arange(padded_length, device=lengths.device)
-    ids = torch.arange(lengths.numel(), device=lengths.device)[:, None].expand(-1, padded_length)
-    return torch.where(pos[None, :] < lengths[:, None], ids, torch.full_like(ids, -1))
-
-
-def segment_ids_from_cu_seqlens(cu_seqlens: Sequence[int] | torch.Tensor, num_tokens: int,
-                                num_samples: int | None = None, device=None) -> torch.Tensor:
-    """Packed (varlen / thd) layout: token t belongs to sample i when
-    ``cu_seqlens[i] <= t < cu_seqlens[i+1]``. Segments at or past ``num_samples`` (slime appends the
-    padding as one extra segment) and tokens past the last boundary are -1."""
-    cu = torch.as_tensor(cu_seqlens, dtype=torch.long, device=device)
-    if cu.numel() < 1 or int(cu[0]) != 0 or (cu[1:] < cu[:-1]).any() or int(cu[-1]) > num_tokens:
-        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end <= {num_tokens}")
-    n_segments = cu.numel() - 1
-    n = n_segments if num_samples is None else num_samples
-    if n > n_segments:
-        raise ValueError(f"num_samples={n} exceeds the {n_segments} segments of cu_seqlens")
-    pos = torch.arange(num_tokens, device=cu.device)
-    seg = torch.searchsorted(cu[1:], pos, right=True)
-    return torch.where(seg < n, seg, torch.full_like(seg, -1))
 
 
 # ============================================================================ per-sample norms
@@ -596,7 +497,7 @@ def opob_baseline(num: torch.Tensor | float | None, den: torch.Tensor | float | 
     parallel ranks add their samples, TP/PP ranks their parameter shards -- the sums are linear
     in the per-sample squared norms). Returns ``(b, num, den)``; ``b = 0`` when ``den == 0`` (every
     weighted gradient is zero, so the baseline has nothing to act on)."""
-    device = _collective_device(group, device)
+    device = offpolicy.collective_device(group, device)
     vals = torch.tensor([float(num or 0.0), float(den or 0.0)], dtype=torch.float64, device=device)
     if _default_group_active(group):
         dist.all_reduce(vals, op=dist.ReduceOp.SUM, group=group)
@@ -607,95 +508,68 @@ def opob_baseline(num: torch.Tensor | float | None, den: torch.Tensor | float | 
 
 
 # ============================================================================ loss side
-def sequence_log_ratios(log_probs: Sequence[torch.Tensor], rollout_log_probs: Sequence[torch.Tensor],
-                        loss_masks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``sum_t mask_t (log pi_theta - log mu)`` per sample, detached. ``rollout_log_probs`` of a
-    resumed sample is the concatenation over its generation stages, so this is the ratio against
-    the mixture of behaviour policies that actually produced the sequence."""
-    if not (len(log_probs) == len(rollout_log_probs) == len(loss_masks)):
+@dataclass
+class OpobResult:
+    loss: torch.Tensor            # sum_i w_i * (-log pi(y_i|x_i)): what autograd differentiates
+    is_weights: torch.Tensor      # [N] w_i used as coefficients (after truncation / masking)
+    seq_log_ratios: torch.Tensor  # [N] unclipped log pi_theta(y_i|x_i) - log mu(y_i|x_i), for the ESS
+    rewards: torch.Tensor         # [N] R_i
+    keep: torch.Tensor            # [N] 0.0 where masking (MIS) removed the sample
+    truncated: torch.Tensor       # [N] 1.0 where truncation (TIS) changed the weight
+    packing: offpolicy.Packing    # layout of the samples' response tokens
+
+
+def opob_policy_loss(log_probs: Sequence[torch.Tensor], rollout_log_probs: Sequence[torch.Tensor],
+                     loss_masks: Sequence[torch.Tensor], rewards: torch.Tensor | Sequence[float],
+                     segment_ids: torch.Tensor, *, grad_norms: PerSampleGradNorms | None = None,
+                     correction: str = "truncate", low: float = 0.0, high: float = 2.0) -> OpobResult:
+    """Loss side of VCPO for one micro-batch (paper eq. 9 without the baseline term).
+
+    Returns ``loss = sum_i w_i * (-sum_t mask_t log pi_t)`` -- differentiate it once; its gradient
+    is the score buffer ``P``. ``w_i`` is the sequence-level importance weight
+    ``pi_theta(y_i|x_i) / mu(y_i|x_i)`` corrected by ``offpolicy.correct_log_weights`` (``truncate``
+    = TIS, ``mask`` = MIS, ``none``; bounds ``[low, high]``). With ``grad_norms`` (``weighted=True``)
+    the micro-batch is registered so that the backward hooks accumulate
+    ``Q = sum_i R_i w_i grad(-log pi_i)`` and the OPOB sums; ``finish_opob_step`` then turns the
+    gradients into ``Q - b P``, the gradient of ``sum_i w_i (R_i - b)(-log pi_i)``. The unclipped
+    sequence log-ratios come back in ``seq_log_ratios`` for the ESS learning-rate scaler.
+
+    ``log_probs`` are the training forward's per-token log-probs of each sample's response (with
+    grad); ``rollout_log_probs`` the behaviour log-probs (a resumed sample's concatenation over its
+    generation stages, so the ratio is against the policies that actually produced it);
+    ``segment_ids`` map every token of the layers' activations to its sample (-1 = none).
+    """
+    n = len(log_probs)
+    if not (len(rollout_log_probs) == n == len(loss_masks)):
         raise ValueError("log_probs, rollout_log_probs and loss_masks must have one entry per sample")
-    out = []
     for i, (lp, rlp, m) in enumerate(zip(log_probs, rollout_log_probs, loss_masks)):
         if lp.shape != rlp.shape or lp.shape != m.shape:
             raise ValueError(f"sample {i}: log_probs {tuple(lp.shape)}, rollout_log_probs "
                              f"{tuple(rlp.shape)} and loss_mask {tuple(m.shape)} differ in length")
-        diff = (lp.detach().double() - rlp.detach().to(device=lp.device, dtype=torch.float64))
-        out.append((diff * m.to(device=lp.device, dtype=torch.float64)).sum())
-    ratios = torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
-    if not torch.isfinite(ratios).all():
-        bad = (~torch.isfinite(ratios)).nonzero().reshape(-1)[:5].tolist()
-        raise ValueError(f"non-finite log importance ratio for samples {bad}")
-    return ratios
-
-
-def sequence_is_weights(seq_log_ratio: torch.Tensor, correction: str = "truncate",
-                        low: float = 0.0, high: float = math.inf) -> torch.Tensor:
-    """Sequence-level importance weights with the paper's truncation (TIS: ``min(w, high)``), or
-    masking (``0`` outside ``[low, high]``), or none."""
-    w = torch.exp(seq_log_ratio)
-    if correction == "none":
-        return w
-    if correction == "truncate":
-        return w.clamp(min=low, max=high)
-    if correction == "mask":
-        return torch.where((w >= low) & (w <= high), w, torch.zeros_like(w))
-    raise ValueError(f"unknown IS correction {correction!r}")
-
-
-@dataclass
-class OpobResult:
-    loss: torch.Tensor                # sum_i w_i * (-log pi(y_i|x_i)): what autograd differentiates
-    is_weights: torch.Tensor          # w_i used as coefficients (after truncation / masking)
-    seq_log_ratios: torch.Tensor      # unclipped, for the ESS
-    rewards: torch.Tensor             # R_i
-    metrics: dict[str, torch.Tensor]
-
-
-def opob_policy_loss(log_probs: Sequence[torch.Tensor], rollout_log_probs: Sequence[torch.Tensor],
-                     loss_masks: Sequence[torch.Tensor], rewards: torch.Tensor,
-                     segment_ids: torch.Tensor, *, grad_norms: PerSampleGradNorms | None = None,
-                     lr_scaler: EssLrScaler | None = None, correction: str = "truncate",
-                     low: float = 0.0, high: float = math.inf) -> OpobResult:
-    """Loss side of VCPO for one micro-batch (paper eq. 9 without the baseline term).
-
-    Returns ``loss = sum_i w_i * (-sum_t mask_t log pi_t)`` -- differentiate it once; its gradient
-    is the score buffer ``P``. With ``grad_norms`` (``weighted=True``) the micro-batch is registered
-    so that the backward hooks accumulate ``Q = sum_i R_i w_i grad(-log pi_i)`` and the OPOB sums;
-    ``finish_opob_step`` then turns the gradients into ``Q - b P``, the gradient of
-    ``sum_i w_i (R_i - b)(-log pi_i)``. With ``lr_scaler`` the unclipped log-ratios feed the ESS.
-
-    ``log_probs`` are the training forward's per-token log-probs of each sample's response (with
-    grad); ``segment_ids`` map every token of the layers' activations to its sample (-1 = none).
-    """
-    n = len(log_probs)
+    if n == 0:
+        raise ValueError("empty micro-batch")
     if isinstance(rewards, (list, tuple)):
-        rewards = torch.stack([torch.as_tensor(r, dtype=torch.float64).reshape(()) for r in rewards]) \
-            if rewards else torch.zeros(0, dtype=torch.float64)
+        rewards = torch.stack([torch.as_tensor(r, dtype=torch.float64).reshape(()) for r in rewards])
     rewards = torch.as_tensor(rewards).detach().reshape(-1)
     if rewards.numel() != n:
         raise ValueError(f"{rewards.numel()} rewards for {n} samples")
     if not torch.isfinite(rewards).all():
         raise ValueError("non-finite reward")
-    log_ratio = sequence_log_ratios(log_probs, rollout_log_probs, loss_masks)
-    weights = sequence_is_weights(log_ratio, correction, low, high)
-    if lr_scaler is not None:
-        lr_scaler.observe(log_ratio)
+
+    current, packing = offpolicy.pack(list(log_probs))
+    rollout = torch.cat([r.detach() for r in rollout_log_probs]).to(device=current.device, dtype=torch.float64)
+    mask = torch.cat(list(loss_masks)).to(current.device)
+    clean = offpolicy.check_finite({"log_probs": current, "rollout_log_probs": rollout}, mask, packing)
+    current = clean["log_probs"]
+    log_ratio = offpolicy.sequence_log_weights(
+        offpolicy.masked_log_ratio(current.detach().to(torch.float64), clean["rollout_log_probs"], mask),
+        packing, mask)
+    weights = offpolicy.correct_log_weights(log_ratio, correction, low, high)
     if grad_norms is not None:
         grad_norms.set_microbatch(segment_ids, n, rewards.to(torch.float64))
-    terms = []
-    for i, (lp, m) in enumerate(zip(log_probs, loss_masks)):
-        nll = -(lp * m.to(lp)).sum()
-        terms.append(nll * weights[i].to(lp))
-    if terms:
-        loss = torch.stack(terms).sum()
-    else:
-        raise ValueError("empty micro-batch")
-    metrics = {
-        "vcpo/is_weight_mean": weights.mean().detach().float(),
-        "vcpo/seq_log_ratio_mean": log_ratio.mean().detach().float(),
-        "vcpo/truncated_frac": (weights != torch.exp(log_ratio)).double().mean().float(),
-    }
-    return OpobResult(loss, weights, log_ratio, rewards, metrics)
+    nll = -packing.sum(current * mask.to(current.dtype))
+    loss = (nll * weights.weights.to(current.dtype)).sum()
+    return OpobResult(loss, weights.weights, log_ratio, rewards, weights.keep, weights.truncated, packing)
 
 
 def finish_opob_step(grad_norms: PerSampleGradNorms, params: Iterable[nn.Parameter], group=None
@@ -804,9 +678,18 @@ def reset_runtime() -> None:
     _RUNTIME = None
 
 
-def _check_slime_args(args: Any, config: AprilConfig) -> None:
+def check_settings(args: Any, config: AprilConfig) -> None:
+    """Refuse, in one ``AprilConfigError``, every setup the enabled VCPO controls cannot serve."""
+    if not (config.vcpo_lr_scaling or config.vcpo_baseline):
+        return
+    loss_type = getattr(args, "loss_type", None)
+    if loss_type is not None and loss_type != "custom_loss":
+        raise AprilConfigError(
+            "april_vcpo_lr_scaling / april_vcpo_baseline are fed by the custom loss: set --loss-type custom_loss "
+            f"--custom-loss-function-path april_slime.loss.policy_loss (got --loss-type {loss_type})")
     if not config.vcpo_baseline:
         return
+    estimator = getattr(args, "advantage_estimator", None)
     checks = [
         (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1,
         (getattr(args, "context_parallel_size", 1) or 1) > 1,
@@ -814,6 +697,10 @@ def _check_slime_args(args: Any, config: AprilConfig) -> None:
         bool(getattr(args, "overlap_grad_reduce", False)),
         bool(getattr(args, "use_kl_loss", False)),
         float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0,
+        bool(getattr(args, "recompute_loss_function", False)),
+        config.is_mode != "copris",
+        config.is_level != "sequence",
+        config.loss_level != "token" or estimator in ("gspo", "cispo"),
     ]
     reasons = [
         "pipeline parallelism (only the last stage sees the rewards)",
@@ -822,6 +709,13 @@ def _check_slime_args(args: Any, config: AprilConfig) -> None:
         "--overlap-grad-reduce (gradients must stay local until the baseline is applied)",
         "--use-kl-loss (the baseline is defined for the pure policy-gradient loss)",
         "a non-zero --entropy-coef (same reason)",
+        "--recompute-loss-function (the loss would register its micro-batch twice)",
+        f"april_is_mode={config.is_mode} (the baseline is derived for the importance-weighted REINFORCE "
+        "estimator against the rollout log-probs: set april_is_mode: copris; decoupled and on_policy clip "
+        "around the recomputed policy, which has no per-trajectory baseline)",
+        f"april_is_level={config.is_level} (one weight per trajectory: set april_is_level: sequence)",
+        f"april_loss_level={config.loss_level} / --advantage-estimator {estimator} (the baselined loss is "
+        "REINFORCE, not a GSPO or CISPO objective)",
     ]
     bad = [r for c, r in zip(checks, reasons) if c]
     if bad:
@@ -838,7 +732,7 @@ def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_sch
     global _RUNTIME
     if _RUNTIME is None:
         config = AprilConfig.from_args(args)
-        _check_slime_args(args, config)
+        check_settings(args, config)
         _RUNTIME = VcpoRuntime(config)
         if config.vcpo_baseline:
             from megatron.core import mpu  # lazy: only inside a Megatron job

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from april_slime.vcpo import PerSampleGradNorms, finish_opob_step, opob_policy_loss, segment_ids_from_cu_seqlens
+from april_slime.offpolicy import Packing
+from april_slime.vcpo import PerSampleGradNorms, finish_opob_step, opob_policy_loss
 
 
 class Block(nn.Module):
@@ -78,7 +79,7 @@ def make_batch(cfg: dict, device, seed: int = 0):
     cuts = sorted(torch.randperm(total - 8, generator=g)[: n - 1].add(4).tolist())
     cu = [0, *cuts, total]
     tokens = torch.randint(0, cfg["vocab"], (1, total), generator=g)
-    seg = segment_ids_from_cu_seqlens(cu, total)
+    seg = Packing.from_cu_seqlens(cu).packed_segment_ids(total)
     causal = torch.ones(total, total, dtype=torch.bool).tril()
     mask = causal & (seg[:, None] == seg[None, :])
     # responses: the second half of every sample

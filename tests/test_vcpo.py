@@ -10,8 +10,8 @@ from torch.func import functional_call, grad, vmap
 
 from april_slime import vcpo
 from april_slime.config import AprilConfigError
-from april_slime.vcpo import (EssLrScaler, EssStats, PerSampleGradNorms, finish_opob_step, opob_advantages,
-                              opob_policy_loss, segment_ids_from_cu_seqlens, segment_ids_from_lengths)
+from april_slime.offpolicy import EssStats, Packing
+from april_slime.vcpo import EssLrScaler, PerSampleGradNorms, finish_opob_step, opob_advantages, opob_policy_loss
 
 VOCAB, D, HEADS, FF = 23, 12, 2, 20
 
@@ -97,7 +97,7 @@ def padded_batch(lengths, seed=1):
     g = torch.Generator().manual_seed(seed)
     t = max(lengths)
     tokens = torch.randint(0, VOCAB, (len(lengths), t), generator=g)
-    segments = segment_ids_from_lengths(lengths, t)
+    segments = Packing.from_lengths(lengths).padded_segment_ids(t)
     resp = torch.zeros(len(lengths), t, dtype=torch.float64)
     for i, n in enumerate(lengths):
         resp[i, max(1, n // 3):n] = 1.0  # "prompt" = first third, response = the rest
@@ -140,7 +140,7 @@ def test_per_sample_norms_packed_varlen_match_per_sample_grad():
     cu = [0, 5, 13, 16, 18]  # last segment = padding, as slime appends it
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, VOCAB, (1, 18), generator=g)
-    seg = segment_ids_from_cu_seqlens(cu, 18, num_samples=3)
+    seg = Packing.from_cu_seqlens(cu[:-1]).packed_segment_ids(18)  # the trailing padding segment is not a sample
     assert seg.tolist()[-2:] == [-1, -1]
     resp = torch.zeros(1, 18, dtype=torch.float64)
     for s, e in [(2, 5), (7, 13), (14, 16)]:
@@ -192,7 +192,7 @@ def test_baseline_and_linearity_match_direct_baselined_loss():
     # two micro-batches, as slime's gradient accumulation runs them
     for rows in ([0, 1, 2], [3, 4]):
         tok, m = tokens[rows], resp[rows]
-        seg = segment_ids_from_lengths([lengths[r] for r in rows], tokens.shape[1])
+        seg = Packing.from_lengths([lengths[r] for r in rows]).padded_segment_ids(tokens.shape[1])
         lp = token_logprobs(model(tok, seg), tok)
         out = opob_policy_loss(list(lp), list(rollout_lp[rows]), list(m), rewards[rows], seg,
                                grad_norms=tracker, correction="truncate", high=2.0)
@@ -263,12 +263,12 @@ def test_opob_loss_rejects_bad_input():
 
 
 def test_segment_helpers():
-    assert segment_ids_from_lengths([2, 0, 3], 3).tolist() == [[0, 0, -1], [-1, -1, -1], [2, 2, 2]]
-    assert segment_ids_from_cu_seqlens([0, 2, 2, 5], 6).tolist() == [0, 0, 2, 2, 2, -1]
+    assert Packing.from_lengths([2, 0, 3]).padded_segment_ids(3).tolist() == [[0, 0, -1], [-1, -1, -1], [2, 2, 2]]
+    assert Packing.from_cu_seqlens([0, 2, 2, 5]).packed_segment_ids(6).tolist() == [0, 0, 2, 2, 2, -1]
     with pytest.raises(ValueError):
-        segment_ids_from_cu_seqlens([0, 3, 2], 4)
+        Packing.from_cu_seqlens([0, 3, 2]).packed_segment_ids(4)
     with pytest.raises(ValueError):
-        segment_ids_from_lengths([4], 3)
+        Packing.from_lengths([4]).padded_segment_ids(3)
 
 
 # ------------------------------------------------------------------------------ ESS and lr

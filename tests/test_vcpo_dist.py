@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from april_slime.vcpo import (EssStats, PerSampleGradNorms, opob_baseline, reduce_per_sample_sq_norms,
-                              segment_ids_from_lengths)
+from april_slime.offpolicy import EssStats, Packing
+from april_slime.vcpo import PerSampleGradNorms, opob_baseline, reduce_per_sample_sq_norms
 
 D, H = 6, 8
 
@@ -101,7 +101,7 @@ def _worker(rank, world, port, results):
             full.norm.weight.add_(0.2 * torch.randn(D, dtype=torch.float64))
         lengths = [5, 2, 4]
         x = torch.randn(3, 5, D, dtype=torch.float64)
-        seg = segment_ids_from_lengths(lengths, 5)
+        seg = Packing.from_lengths(lengths).padded_segment_ids(5)
         ref = _per_sample_norms(full, x, seg, 3)  # every rank computes the unsharded reference
 
         # --- tensor parallel: partial norms of the shards add up to the full per-sample norms
@@ -126,10 +126,10 @@ def _worker(rank, world, port, results):
         stats = EssStats()
         if rank == 0:
             stats.add(log_w)
-        merged = stats.all_reduce()
+        merged = stats.reduce()
         full_stats = EssStats()
         full_stats.add(log_w)
-        assert merged.count == 4 and abs(merged.ess_ratio - full_stats.ess_ratio) < 1e-12
+        assert merged.num_samples == 4 and abs(merged.ess_ratio - full_stats.ess_ratio) < 1e-12
         results[rank] = "ok"
     except Exception as exc:  # surfaced by the parent
         results[rank] = repr(exc)
