@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from pathlib import Path
 from typing import Any, Callable
 
 from april_slime.config import RESUME_PRIORITIES, STALE_ACTIONS
+from april_slime.jsonfile import write_json_atomic
 from april_slime.types import Group, TrajectoryStatus
 
 STATE_FORMAT = 1
@@ -195,24 +194,11 @@ class PartialBuffer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the state as JSON atomically: a crash leaves either the old or the new file."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            text = json.dumps(self.state_dict(), allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"buffer cannot be saved to {path}: a group payload or value is not "
-                             f"plain JSON ({e})") from e
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+            write_json_atomic(path, self.state_dict())
+        except ValueError as e:
+            raise ValueError(f"buffer cannot be saved: a group payload or value is not plain JSON "
+                             f"({e})") from e
 
     def load_into(self, path: str | os.PathLike) -> None:
         with open(path, encoding="utf-8") as f:

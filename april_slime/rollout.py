@@ -31,8 +31,6 @@ import importlib
 import json
 import logging
 import math
-import os
-import tempfile
 import threading
 from collections import Counter
 from pathlib import Path
@@ -40,6 +38,7 @@ from typing import Any
 
 from april_slime.buffer import PartialBuffer
 from april_slime.config import AprilConfig, AprilConfigError
+from april_slime.jsonfile import write_json_atomic
 from april_slime.types import Group, Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
@@ -438,7 +437,7 @@ class AprilDataSource:
                                    "buffer has nowhere to be saved")
         state = {"format": STATE_FORMAT, "rollout_id": rollout_id, "policy_version": self.policy_version,
                  "buffer": self.buffer.state_dict()}
-        _write_json_atomic(path, state)
+        write_json_atomic(path, state)
         logger.info("saved %d buffered groups (%d partial samples) to %s", len(self.buffer),
                     self.buffer.num_partial_trajectories(), path)
 
@@ -460,23 +459,6 @@ class AprilDataSource:
         self.policy_version = self.restored_policy_version = state.get("policy_version")
         logger.info("restored %d buffered groups (%d partial samples) from %s", len(self.buffer),
                     self.buffer.num_partial_trajectories(), path)
-
-
-def _write_json_atomic(path: Path, value: Any) -> None:
-    """A crash mid-write leaves the previous file intact (temporary file, fsync, rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(value, allow_nan=False)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 # ====================================================================== the rollout function
