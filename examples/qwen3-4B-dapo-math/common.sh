@@ -149,3 +149,18 @@ run_slime() {  # <platform args...>: start ray and submit the job
       "${APRIL_ARGS[@]}" \
       "$@"
 }
+
+# parallelism and batching of slime's Qwen3-4B example (same on H100 and MI300X)
+PERF_ARGS=(
+   --tensor-model-parallel-size 2
+   --sequence-parallel
+   --pipeline-model-parallel-size 1
+   --context-parallel-size 1
+   --expert-model-parallel-size 1
+   --expert-tensor-parallel-size 1
+   --recompute-granularity full
+   --recompute-method uniform
+   --recompute-num-layers 1
+   --use-dynamic-batch-size
+   --max-tokens-per-gpu 9216
+)

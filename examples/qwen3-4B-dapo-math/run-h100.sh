@@ -10,20 +10,6 @@ NUM_GPUS=${NUM_GPUS:-8}
 NVLINK_COUNT=$(nvidia-smi topo -m 2>/dev/null | grep -o 'NV[0-9][0-9]*' | wc -l || true)
 HAS_NVLINK=$([ "${NVLINK_COUNT:-0}" -gt 0 ] && echo 1 || echo 0)
 
-PERF_ARGS=(
-   --tensor-model-parallel-size 2
-   --sequence-parallel
-   --pipeline-model-parallel-size 1
-   --context-parallel-size 1
-   --expert-model-parallel-size 1
-   --expert-tensor-parallel-size 1
-   --recompute-granularity full
-   --recompute-method uniform
-   --recompute-num-layers 1
-   --use-dynamic-batch-size
-   --max-tokens-per-gpu 9216
-)
-
 MISC_ARGS=(
    --attention-dropout 0.0
    --hidden-dropout 0.0
