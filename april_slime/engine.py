@@ -259,6 +259,37 @@ def _require_int(value: Any, name: str, where: str) -> int:
     return value
 
 
+def _split_logprob_triples(triples: list, where: str) -> tuple[list[float], list[int]]:
+    """``[[logprob, token_id, text], ...]`` -> (log-probs, token ids), every entry checked.
+
+    Replies run to tens of thousands of tokens, so the common well-formed case is checked with
+    whole-list operations (a sum is finite only if every term is); anything unusual goes through
+    the per-position loop, which names the first bad position.
+    """
+    if all(type(t) is list and len(t) >= 2 and type(t[0]) is float and type(t[1]) is int
+           for t in triples):
+        logprobs = [t[0] for t in triples]
+        if math.isfinite(sum(logprobs)):
+            return logprobs, [t[1] for t in triples]
+    logprobs, token_ids = [], []
+    for pos, triple in enumerate(triples):
+        if not isinstance(triple, (list, tuple)) or len(triple) < 2:
+            raise EngineReplyError(
+                f"{where}: output_token_logprobs[{pos}] is not a [logprob, token_id, text] triple: "
+                f"{triple!r}"
+            )
+        logprob, token_id = triple[0], triple[1]
+        if isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
+            raise EngineReplyError(f"{where}: log-prob at position {pos} is {logprob!r}")
+        if not math.isfinite(logprob):
+            raise EngineReplyError(f"{where}: log-prob at position {pos} is not finite ({logprob})")
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise EngineReplyError(f"{where}: token id at position {pos} is {token_id!r}")
+        logprobs.append(float(logprob))
+        token_ids.append(token_id)
+    return logprobs, token_ids
+
+
 def parse_generate_reply(
     reply: Any, *, engine_url: str, rid: str, max_new_tokens: int
 ) -> GenerateResult:
@@ -284,40 +315,23 @@ def parse_generate_reply(
             f"{where}: meta_info.output_token_logprobs missing or not a list (was the request sent "
             "with return_logprob=true?)"
         )
-    logprobs: list[float] = []
-    triple_ids: list[int] = []
-    for pos, triple in enumerate(triples):
-        if not isinstance(triple, (list, tuple)) or len(triple) < 2:
-            raise EngineReplyError(
-                f"{where}: output_token_logprobs[{pos}] is not a [logprob, token_id, text] triple: "
-                f"{triple!r}"
-            )
-        logprob, token_id = triple[0], triple[1]
-        if isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
-            raise EngineReplyError(f"{where}: log-prob at position {pos} is {logprob!r}")
-        if not math.isfinite(logprob):
-            raise EngineReplyError(f"{where}: log-prob at position {pos} is not finite ({logprob})")
-        if isinstance(token_id, bool) or not isinstance(token_id, int):
-            raise EngineReplyError(f"{where}: token id at position {pos} is {token_id!r}")
-        logprobs.append(float(logprob))
-        triple_ids.append(token_id)
+    logprobs, triple_ids = _split_logprob_triples(triples, where)
 
     output_ids = reply.get("output_ids")
     if output_ids is None:
         output_ids = triple_ids
-    elif not isinstance(output_ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in output_ids
-    ):
+    elif not isinstance(output_ids, list) or not all(type(t) is int for t in output_ids):
         raise EngineReplyError(f"{where}: output_ids is not a list of integers")
     if len(output_ids) != len(triples):
         raise EngineReplyError(
             f"{where}: {len(output_ids)} output_ids but {len(triples)} output_token_logprobs"
         )
-    for pos, (a, b) in enumerate(zip(output_ids, triple_ids)):
-        if a != b:
-            raise EngineReplyError(
-                f"{where}: output_token_logprobs[{pos}] is for token {b}, output_ids has {a}"
-            )
+    if output_ids != triple_ids:
+        pos = next(i for i, (a, b) in enumerate(zip(output_ids, triple_ids)) if a != b)
+        raise EngineReplyError(
+            f"{where}: output_token_logprobs[{pos}] is for token {triple_ids[pos]}, "
+            f"output_ids has {output_ids[pos]}"
+        )
 
     completion_tokens = _require_int(meta.get("completion_tokens"), "completion_tokens", where)
     if completion_tokens != len(output_ids):
