@@ -30,7 +30,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Sequence
 
 import numpy as np

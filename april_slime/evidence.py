@@ -307,7 +307,7 @@ class _Trainer:
 
     def update(self, batch: RolloutBatch, step: int) -> dict[str, float]:
         """One rollout batch -> ``minibatches_per_step`` optimizer steps; returns step metrics."""
-        settings, method, model = self.settings, self.method, self.model
+        settings, model = self.settings, self.model
         n, length = batch.responses.shape
         packing = offpolicy.Packing.from_lengths([length] * n)
         loss_mask = torch.ones(n * length)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from april_slime import bench
-from april_slime.bench import (ENGINE_PRESETS, EngineSpec, Workload, apply_overrides,
+from april_slime.bench import (ENGINE_PRESETS, Workload, apply_overrides,
                                ideal_throughput, length_stats, plan, run_benchmark)
 from april_slime.cli import main as cli_main
 from april_slime.emulator import SyntheticLM
