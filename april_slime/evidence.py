@@ -245,8 +245,12 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("tis", "(d) token TIS", "decoupled", correction="truncate"),
     Method("copris_vcpo", "(e) CoPRIS IS + VCPO", "copris", ess_lr_scaling=True,
            optimal_baseline=True),
-    # Not in the default set: truncation of the CoPRIS ratio itself (see docs/evidence.md).
+    # Not in the default set (see docs/evidence.md): truncation of the CoPRIS ratio itself, and
+    # the two halves of VCPO on their own.
     Method("copris_tis", "CoPRIS IS + token TIS", "copris", correction="truncate"),
+    Method("copris_ess_lr", "(b) + ESS-scaled LR only", "copris", ess_lr_scaling=True),
+    Method("copris_opob", "(e) without ESS-scaled LR (OPOB only)", "copris",
+           optimal_baseline=True),
 )}
 DEFAULT_METHODS = ("sync", "no_correction", "copris", "decoupled", "tis", "copris_vcpo")
 
