@@ -164,3 +164,12 @@ PERF_ARGS=(
    --use-dynamic-batch-size
    --max-tokens-per-gpu 9216
 )
+
+# numerics of slime's Qwen3-4B example; the platform launchers append to it
+MISC_ARGS=(
+   --attention-dropout 0.0
+   --hidden-dropout 0.0
+   --accumulate-allreduce-grads-in-fp32
+   --attention-softmax-in-fp32
+   --attention-backend flash
+)

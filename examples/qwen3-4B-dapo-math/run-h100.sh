@@ -10,14 +10,6 @@ NUM_GPUS=${NUM_GPUS:-8}
 NVLINK_COUNT=$(nvidia-smi topo -m 2>/dev/null | grep -o 'NV[0-9][0-9]*' | wc -l || true)
 HAS_NVLINK=$([ "${NVLINK_COUNT:-0}" -gt 0 ] && echo 1 || echo 0)
 
-MISC_ARGS=(
-   --attention-dropout 0.0
-   --hidden-dropout 0.0
-   --accumulate-allreduce-grads-in-fp32
-   --attention-softmax-in-fp32
-   --attention-backend flash
-)
-
 RUNTIME_ENV_JSON="{
   \"env_vars\": {
     \"PYTHONPATH\": \"${MEGATRON_LM_DIR:-/root/Megatron-LM}/\",
