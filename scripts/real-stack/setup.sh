@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Build the real-stack environment: SGLang 0.5.23 serving on CPU, sglang-router, megatron-core,
+# slime at the pinned commit and this project, in the repository's .venv.
+#
+#   bash scripts/real-stack/setup.sh            # idempotent; the heavy part is cached
+#
+# Two layers, so a fresh clone does not reinstall 3.5 GB:
+#   1. A shared environment under $APRIL_REAL_STACK_CACHE (default ~/.cache/april-slime), keyed
+#      by a hash of the files that define it: torch (CPU wheel), SGLang's dependencies without
+#      the CUDA-only ones, SGLang itself (--no-deps), the router, megatron-core, and two CPU
+#      workarounds (see README.md beside this file). Built once, then reused; a half-built one
+#      (no stamp) is removed and rebuilt.
+#   2. The clone's own .venv, which sees layer 1 through a .pth file and holds the project
+#      (editable), its test tools and slime.
+#
+# slime comes from $SLIME_DIR (a checkout) or else ../shared/third_party/slime-*.tar.gz. Without
+# either, the environment is built without slime and the real tier says so and skips.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+py="${PYTHON:-python3}"
+
+key="$(cat "$here/requirements-sglang-cpu.txt" "$here/constraints-cpu.txt" | sha256sum | cut -c1-16)"
+cache="${APRIL_REAL_STACK_CACHE:-$HOME/.cache/april-slime}"
+base="$cache/real-stack-$key"
+
+log() { printf '[real-stack] %s\n' "$*" >&2; }
+
+build_base() {
+    log "building the shared environment in $base (about 3 minutes, 3.5 GB; once per machine)"
+    rm -rf "$base"
+    mkdir -p "$cache"
+    "$py" -m venv "$base"
+    local pip=("$base/bin/python" -m pip install -q --disable-pip-version-check)
+    "${pip[@]}" torch==2.13.0
+    "${pip[@]}" -c "$here/constraints-cpu.txt" -r "$here/requirements-sglang-cpu.txt"
+    "${pip[@]}" --no-deps sglang==0.5.23
+    "$base/bin/python" -c "import sglang_router, megatron.core, torch; \
+assert torch.__version__.startswith('2.13.0'), torch.__version__"
+    date -u +%FT%TZ > "$base/.complete"
+}
+
+if [[ -f "$base/.complete" ]]; then
+    log "reusing $base"
+else
+    build_base
+fi
+# Idempotent, and cheap, so applied on every run: a changed workaround reaches old caches too.
+"$base/bin/python" "$here/cpu_workarounds.py" install
+"$base/bin/python" -c "import sglang, sglang_router, megatron.core, torch; \
+print('sglang', sglang.__version__)" >&2
+
+# Layer 2: the clone's own venv on top of the shared one.
+venv="$repo/.venv"
+if [[ ! -x "$venv/bin/python" ]]; then
+    "$py" -m venv "$venv"
+fi
+site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+base_site="$("$base/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+printf '%s\n' "$base_site" > "$site/april_real_stack.pth"
+
+vpip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+"${vpip[@]}" --no-deps -e "$repo"
+"${vpip[@]}" -c "$here/constraints-cpu.txt" pytest pytest-asyncio pytest-timeout matplotlib
+
+slime_src="${SLIME_DIR:-}"
+if [[ -z "$slime_src" ]]; then
+    tarball="$(ls "$repo"/../shared/third_party/slime-*.tar.gz 2>/dev/null | head -n 1 || true)"
+    if [[ -n "$tarball" ]]; then
+        slime_src="$cache/$(basename "$tarball" .tar.gz)"
+        if [[ ! -f "$slime_src/setup.py" ]]; then
+            rm -rf "$slime_src"
+            tar xzf "$tarball" -C "$cache"
+        fi
+    fi
+fi
+if [[ -n "$slime_src" ]]; then
+    [[ -d "$slime_src" ]] || { log "SLIME_DIR=$slime_src does not exist"; exit 1; }
+    # A private copy with patches/ applied: the training tier needs train_metadata in the loss.
+    patched="$cache/slime-patched-$key-$(basename "$slime_src")"
+    if [[ ! -f "$patched/.complete" ]]; then
+        rm -rf "$patched"
+        cp -r "$slime_src" "$patched"
+        for p in "$repo"/patches/slime-*.patch; do
+            (cd "$patched" && patch -p1 --forward --silent < "$p") \
+                || { log "$(basename "$p") does not apply to $slime_src"; exit 1; }
+        done
+        touch "$patched/.complete"
+    fi
+    "${vpip[@]}" --no-deps "$patched"
+    log "slime from $slime_src (patches applied)"
+else
+    log "no slime: set SLIME_DIR to a checkout of THUDM/slime@624b824a8; the real tier will skip"
+fi
+log "ready: . $venv/bin/activate"
