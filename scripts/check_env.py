@@ -51,7 +51,22 @@ def version_of(dist: str) -> str | None:
 
 
 def git(directory: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(directory), *args], capture_output=True, text=True)
+    # Discovery stops at the parent: a slime copy inside some other repository (site-packages in a
+    # project's tree, an unpacked release) must not be read as that repository, whose HEAD is not
+    # slime's and whose root would make `git apply` skip every file.
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(directory.resolve().parent)}
+    return subprocess.run(["git", "-C", str(directory), *args], capture_output=True, text=True, env=env)
+
+
+def check_dir(r: Report, what: str, directory: Path) -> bool:
+    """A directory given on the command line: fail with the reason when it cannot be used."""
+    if not directory.exists():
+        r.fail(what, f"{directory} does not exist")
+        return False
+    if not directory.is_dir():
+        r.fail(what, f"{directory} is not a directory")
+        return False
+    return True
 
 
 def check_python(r: Report) -> None:
@@ -163,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     check_torch(r, args.require_gpu)
     check_april(r)
     slime_dir = find_slime_dir(r, args.slime_dir)
-    if slime_dir is not None:
+    if slime_dir is not None and check_dir(r, "slime dir", slime_dir):
         check_slime_commit(r, slime_dir)
         check_patches(r, "slime", slime_dir)
-    if args.sglang_dir:
+    if args.sglang_dir and check_dir(r, "sglang dir", Path(args.sglang_dir)):
         check_patches(r, "sglang", Path(args.sglang_dir))
     check_serving(r)
     print("environment:", "NOT READY" if r.failed else "ready")

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared settings of the Qwen3-4B DAPO-Math launchers (sourced by run-h100.sh / run-mi300.sh).
 # Modelled on slime's scripts/run-qwen3-4B.sh (THUDM/slime 624b824a8); the rollout, buffer and
 # loss come from april_slime. Everything below can be overridden from the environment.
@@ -5,12 +6,16 @@
 #   MODE       slime | sync | april | copris   (slime = slime's stock rollout, no plugin)
 #   LOSS_HOOK  custom_loss | tis               (how the off-policy correction enters the loss)
 #   VCPO_HOOK  0 | 1                           (ESS learning-rate scaling hook)
+#   ROLLOUT_MAX_RESPONSE_LEN  16384 by default: the 16K budget of the benchmark's headline
+#              (`april-slime bench dapo16k`), where the long tail that partial rollouts remove is
+#              longest. slime's own Qwen3-4B script uses 8192; set 8192 to compare with it.
 
 MODE=${MODE:-copris}
 LOSS_HOOK=${LOSS_HOOK:-custom_loss}
 VCPO_HOOK=${VCPO_HOOK:-0}
 # name of the VCPO hook; one place to change it
 VCPO_HOOK_PATH=${VCPO_HOOK_PATH:-april_slime.vcpo.before_train_step}
+ROLLOUT_MAX_RESPONSE_LEN=${ROLLOUT_MAX_RESPONSE_LEN:-16384}
 
 SLIME_DIR=${SLIME_DIR:-/root/slime}
 MODEL_DIR=${MODEL_DIR:-/root}
@@ -27,15 +32,15 @@ esac
 source "${SLIME_DIR}/scripts/models/qwen3-4B.sh"
 
 CKPT_ARGS=(
-   --hf-checkpoint ${MODEL_DIR}/Qwen3-4B
-   --ref-load ${MODEL_DIR}/Qwen3-4B_torch_dist
-   --load ${SAVE_DIR}
-   --save ${SAVE_DIR}
+   --hf-checkpoint "${MODEL_DIR}/Qwen3-4B"
+   --ref-load "${MODEL_DIR}/Qwen3-4B_torch_dist"
+   --load "${SAVE_DIR}"
+   --save "${SAVE_DIR}"
    --save-interval 20
 )
 
 ROLLOUT_ARGS=(
-   --prompt-data ${DATA_DIR}/dapo-math-17k/dapo-math-17k.jsonl
+   --prompt-data "${DATA_DIR}/dapo-math-17k/dapo-math-17k.jsonl"
    --input-key prompt
    --label-key label
    --apply-chat-template
@@ -44,7 +49,7 @@ ROLLOUT_ARGS=(
    --num-rollout 3000
    --rollout-batch-size 32
    --n-samples-per-prompt 8
-   --rollout-max-response-len 8192
+   --rollout-max-response-len "${ROLLOUT_MAX_RESPONSE_LEN}"
    --rollout-temperature 1
 
    --global-batch-size 256
@@ -53,7 +58,7 @@ ROLLOUT_ARGS=(
 
 EVAL_ARGS=(
    --eval-interval 20
-   --eval-prompt-data aime ${DATA_DIR}/aime-2024/aime-2024.jsonl
+   --eval-prompt-data aime "${DATA_DIR}/aime-2024/aime-2024.jsonl"
    --n-samples-per-eval-prompt 16
    --eval-max-response-len 16384
    --eval-top-p 1
@@ -96,7 +101,7 @@ if [ "$MODE" != "slime" ]; then
    APRIL_ARGS+=(
       --rollout-function-path april_slime.rollout.generate_rollout
       --data-source-path april_slime.rollout.AprilDataSource
-      --custom-config-path ${HERE}/configs/${MODE}.yaml
+      --custom-config-path "${HERE}/configs/${MODE}.yaml"
       # rollout log-probs of every stage are the behaviour policy of the correction
    )
    case "$LOSS_HOOK" in
@@ -108,7 +113,7 @@ if [ "$MODE" != "slime" ]; then
       *) echo "LOSS_HOOK must be custom_loss or tis (got '$LOSS_HOOK')" >&2; exit 2 ;;
    esac
    if [ "$VCPO_HOOK" = "1" ]; then
-      APRIL_ARGS+=(--custom-megatron-before-train-step-hook-path ${VCPO_HOOK_PATH})
+      APRIL_ARGS+=(--custom-megatron-before-train-step-hook-path "${VCPO_HOOK_PATH}")
    fi
 fi
 
@@ -124,17 +129,19 @@ check_april_setup() {
    fi
 }
 
-run_slime() {  # <platform args...>: start ray and submit the job
+run_slime() {  # <num_gpus> <runtime_env_json> [extra slime args...]: start ray and submit the job
+   local num_gpus="$1" runtime_env_json="$2"
+   shift 2
    check_april_setup
    export MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
-   ray start --head --node-ip-address ${MASTER_ADDR} --num-gpus ${NUM_GPUS} --disable-usage-stats \
+   ray start --head --node-ip-address "${MASTER_ADDR}" --num-gpus "${num_gpus}" --disable-usage-stats \
       --dashboard-host=0.0.0.0 --dashboard-port=8265
-   cd "${SLIME_DIR}"
+   cd "${SLIME_DIR}" || exit 1
    ray job submit --address="http://127.0.0.1:8265" \
-      --runtime-env-json="${RUNTIME_ENV_JSON}" \
+      --runtime-env-json="${runtime_env_json}" \
       -- python3 train.py \
       --actor-num-nodes 1 \
-      --actor-num-gpus-per-node ${NUM_GPUS} \
+      --actor-num-gpus-per-node "${num_gpus}" \
       --colocate \
       "${MODEL_ARGS[@]}" \
       "${CKPT_ARGS[@]}" \

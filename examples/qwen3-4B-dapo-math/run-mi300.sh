@@ -5,6 +5,7 @@
 # Stop an earlier run first (ray stop --force); this script does not kill other processes.
 set -euxo pipefail
 export PYTHONUNBUFFERED=1
+# shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)/common.sh"
 
 # Ray must not rewrite HIP_VISIBLE_DEVICES on AMD GPUs (slime's AMD tutorial)
@@ -27,4 +28,4 @@ RUNTIME_ENV_JSON="{
   }
 }"
 
-run_slime
+run_slime "${NUM_GPUS}" "${RUNTIME_ENV_JSON}"

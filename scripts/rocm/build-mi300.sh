@@ -1,115 +1,204 @@
-#!/bin/bash
-# Build the ROCm stack for slime + april_slime on an MI300X node, inside a ROCm PyTorch image
-# (e.g. rocm/sgl-dev, or the base of slime's docker/Dockerfile.rocm). Mirrors the build steps of
-# slime's ROCm Dockerfiles at the pinned commit; every step can be skipped.
+#!/usr/bin/env bash
+# Build the ROCm stack for slime + april_slime on an MI300X (gfx942) node, inside a ROCm PyTorch
+# image with Python >= 3.11. The pins are the ones slime 624b824a8 supports; where each comes from
+# is in scripts/rocm/README.md. docker/Dockerfile.mi300 runs this script.
 #
-#   WORKDIR=/workspace SLIME_DIR=/workspace/slime APRIL_SLIME_DIR=$PWD bash scripts/rocm/build-mi300.sh
+#   WORKDIR=/workspace bash scripts/rocm/build-mi300.sh
 #
-# Steps (set SKIP_<STEP>=1 to skip one): AITER, TE, SGLANG, MEGATRON, APEX, RAY, SLIME, APRIL.
-# The prebuilt image rlsys/slime (slime's AMD tutorial) already contains AITER..RAY: on it, run
-# with SKIP_AITER=1 SKIP_TE=1 SKIP_SGLANG=1 SKIP_MEGATRON=1 SKIP_APEX=1 SKIP_RAY=1.
+# Steps, in order (set SKIP_<STEP>=1 to skip one): SLIME (clone; its docker/ patches are used by
+# later steps), AITER, TE, SGLANG, MEGATRON, APEX, RAY, SLIME_INSTALL, APRIL. Every pin can be
+# overridden from the environment (SGLANG_REF=..., and so on). A patch that does not apply stops
+# the build; nothing is skipped silently. A source tree with local changes (an earlier run's
+# patches) is not reused: remove it, or skip its step.
 set -euxo pipefail
 
 HERE="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"
+# shellcheck source-path=SCRIPTDIR source=env-mi300.sh
 source "${HERE}/env-mi300.sh"
 
 WORKDIR=${WORKDIR:-/workspace}
 SLIME_DIR=${SLIME_DIR:-${WORKDIR}/slime}
-APRIL_SLIME_DIR=${APRIL_SLIME_DIR:-$(cd "${HERE}/../.." && pwd)}
+APRIL_SLIME_DIR=${APRIL_SLIME_DIR:-$(cd -- "${HERE}/../.." && pwd)}
 MAX_JOBS=${MAX_JOBS:-64}
 export MAX_JOBS
 
-# pins (override to move them); defaults are those of slime's ROCm Dockerfiles
+# ---------------------------------------------------------------- pins (scripts/rocm/README.md)
 SLIME_REF=${SLIME_REF:-624b824a898ab0ec1fcb4d373004c7f3852bf515}
-AITER_REF=${AITER_REF:-v0.1.7.post2}
+# slime's docker/README.md at SLIME_REF: stable pair SGLang v0.5.15.post1 + Megatron 1dcf0daf
+SGLANG_REF=${SGLANG_REF:-0b3bb0cbe31873994c9f989fddfe2f87ca839fdd}   # v0.5.15.post1
+SLIME_PATCH_VERSION=${SLIME_PATCH_VERSION:-v0.5.15.post1}             # slime docker/patch/<version>/
+MEGATRON_REF=${MEGATRON_REF:-1dcf0dafa884ad52ffb243625717a3471643e087}
+# SGLang's ROCm recipe (docker/rocm.Dockerfile, AITER_COMMIT_DEFAULT) for this SGLang generation
+AITER_REF=${AITER_REF:-9127c94a18e4398e1eba91f6639e910f0994ad02}
+# slime's newest ROCm recipe at SLIME_REF (docker/Dockerfile.rocm_MI350-5)
 TE_REF=${TE_REF:-90c04bcdc3c109505b318f40a39680263af55edf}
-SGLANG_REF=${SGLANG_REF:-v0.5.6}
-MEGATRON_REF=${MEGATRON_REF:-48406695c4efcf1026a7ed70bb390793918dd97b}
 RAY_VERSION=${RAY_VERSION:-2.47.1}
+SGLANG_ROUTER_VERSION=${SGLANG_ROUTER_VERSION:-0.3.2}
+TORCH_MEMORY_SAVER_VERSION=${TORCH_MEMORY_SAVER_VERSION:-0.0.9.post1}
+# ROCm/apex: one release branch per torch minor (apex README); pinned to the branch heads
+apex_ref_for_torch() {  # <torch major.minor>
+    case "$1" in
+        2.8) echo 102ee921a23d6ef7ed73ee91b7d54c6d39631d69 ;;   # release/1.8.0
+        2.9) echo f18052b57ca75623f39fa0235718b4bf8cc46a0b ;;   # release/1.9.0
+        2.10) echo e97c6656fb57d03e5fa48ad417853aa497f123ce ;;  # release/1.10.0
+        2.11) echo c0f56f7eccd343a08a1b0d0be59f1e7e0e9b90b7 ;;  # release/1.11.0
+        *) return 1 ;;
+    esac
+}
+# slime's ROCm patches: the Megatron fused-kernel loader for HIP. amd_patch/latest/megatron.patch
+# and sglang.patch target Megatron 48406695 / SGLang 0.5.0rc0 and do not apply to the pinned
+# versions (slime's docker/patch/<version>/ patches carry their changes); set AMD_SGLANG_PATCH=1
+# only with an SGLANG_REF they were written for.
+AMD_PATCH_DIR=${AMD_PATCH_DIR:-${SLIME_DIR}/docker/amd_patch/latest}
+AMD_SGLANG_PATCH=${AMD_SGLANG_PATCH:-0}
 
+die() {
+    echo "build-mi300: $*" >&2
+    exit 1
+}
+
+step() {  # <STEP>: true unless SKIP_<STEP>=1
+    local skip="SKIP_$1"
+    [ "${!skip:-0}" != "1" ]
+}
+
+# ---------------------------------------------------------------- preflight
+python - <<'EOF' || die "april_slime needs Python >= 3.11 (asyncio.timeout); use a base image with it"
+import sys
+sys.exit(0 if sys.version_info >= (3, 11) else 1)
+EOF
+TORCH_VERSION=$(python -c 'import torch; print(torch.__version__)') \
+    || die "torch is not importable: start from a ROCm PyTorch image"
+python -c 'import sys, torch; sys.exit(0 if torch.version.hip else 1)' \
+    || die "torch ${TORCH_VERSION} is not a ROCm build"
+# Every pip call below keeps the image's ROCm torch: an unpinned dependency on torch would
+# otherwise resolve to the CUDA wheel on PyPI (several GB of nvidia packages) and replace it.
 mkdir -p "${WORKDIR}"
-cd "${WORKDIR}"
+cd "${WORKDIR}" || die "cannot enter ${WORKDIR}"
+TORCH_CONSTRAINTS="${WORKDIR}/torch-rocm-constraints.txt"
+echo "torch==${TORCH_VERSION}" > "${TORCH_CONSTRAINTS}"
+export PIP_CONSTRAINT="${TORCH_CONSTRAINTS}"
 
 clone() {  # <url> <dir> <ref>
     if [ ! -d "$2/.git" ]; then
         git clone "$1" "$2"
+    elif [ -n "$(git -C "$2" status --porcelain --untracked-files=no)" ]; then
+        die "$2 has local changes (an earlier build's patches?); remove it to rebuild, or skip its step"
     fi
     git -C "$2" fetch --tags origin
-    git -C "$2" checkout "$3"
+    git -C "$2" checkout --detach "$3"
     git -C "$2" submodule update --init --recursive
 }
 
-if [ "${SKIP_SLIME:-0}" != "1" ]; then
-    # slime first: its docker/amd_patch files are used by later steps
+apply_patch() {  # <dir> <patch>: 3-way (as slime's Dockerfiles), and loud on any failure
+    [ -f "$2" ] || die "patch $2 is missing"
+    git -C "$1" apply --3way "$2" \
+        || die "$(basename "$2") does not apply to $1 at $(git -C "$1" rev-parse --short HEAD)"
+    if git -C "$1" diff --name-only --diff-filter=U | grep -q .; then
+        die "$(basename "$2") left merge conflicts in $1"
+    fi
+}
+
+# ---------------------------------------------------------------- steps
+if step SLIME; then
     clone https://github.com/THUDM/slime.git "${SLIME_DIR}" "${SLIME_REF}"
 fi
-AMD_PATCH_DIR=${AMD_PATCH_DIR:-${SLIME_DIR}/docker/amd_patch/latest}
+SLIME_PATCH_DIR="${SLIME_DIR}/docker/patch/${SLIME_PATCH_VERSION}"
 
-if [ "${SKIP_AITER:-0}" != "1" ]; then
+if step AITER; then
     pip uninstall -y aiter || true
     clone https://github.com/ROCm/aiter.git aiter "${AITER_REF}"
-    (cd aiter && PREBUILD_KERNELS=1 GPU_ARCHS="${GPU_ARCH_LIST}" python setup.py develop)
+    (
+        cd aiter || exit 1
+        pip install -r requirements.txt
+        # keep the image's torch-matched Triton, as SGLang's ROCm recipe does
+        export AITER_USE_SYSTEM_TRITON=1
+        PREBUILD_KERNELS=1 GPU_ARCHS="${GPU_ARCH_LIST}" python setup.py build_ext --inplace
+        GPU_ARCHS="${GPU_ARCH_LIST}" pip install --no-build-isolation --config-settings editable_mode=compat -e .
+    )
 fi
 
-if [ "${SKIP_TE:-0}" != "1" ]; then
+if step TE; then
     clone https://github.com/ROCm/TransformerEngine.git TransformerEngine "${TE_REF}"
-    (cd TransformerEngine && pip install . -v)
+    (cd TransformerEngine && pip install --no-build-isolation -v .)
 fi
 
-if [ "${SKIP_SGLANG:-0}" != "1" ]; then
-    pip install IPython orjson python-multipart torchao pybind11
+if step SGLANG; then
+    [ -d "${SLIME_PATCH_DIR}" ] || die "${SLIME_PATCH_DIR} is missing: SLIME_PATCH_VERSION must name a folder of slime's docker/patch/"
+    pip install IPython orjson python-multipart torchao==0.9.0 pybind11
     pip uninstall -y sgl_kernel sglang || true
     clone https://github.com/sgl-project/sglang.git sglang "${SGLANG_REF}"
-    if [ -f "${AMD_PATCH_DIR}/sglang.patch" ]; then
-        if git -C sglang apply --check "${AMD_PATCH_DIR}/sglang.patch"; then
-            git -C sglang apply "${AMD_PATCH_DIR}/sglang.patch"
-        else
-            echo "slime's ROCm SGLang patch does not apply to ${SGLANG_REF}; set SGLANG_REF to the" \
-                 "version it targets" >&2
-            exit 1
+    # slime's SGLang patches for this version, in the order slime's docker/Dockerfile applies them
+    apply_patch sglang "${SLIME_PATCH_DIR}/sglang.patch"
+    for p in sglang-top_p.patch sglang-release_hicache.patch sglang-pull_weights.patch sglang-deterministic.patch; do
+        if [ -f "${SLIME_PATCH_DIR}/$p" ]; then
+            apply_patch sglang "${SLIME_PATCH_DIR}/$p"
         fi
+    done
+    if [ "${AMD_SGLANG_PATCH}" = "1" ]; then
+        apply_patch sglang "${AMD_PATCH_DIR}/sglang.patch"
     fi
-    (cd sglang/sgl-kernel && cp pyproject_rocm.toml pyproject.toml && AMDGPU_TARGET="${GPU_ARCH_LIST}" python setup_rocm.py install)
-    (cd sglang && pip install -e "python[all_hip]")
-    pip install sglang-router --force-reinstall
+    (
+        cd sglang/sgl-kernel || exit 1
+        rm -f pyproject.toml
+        mv pyproject_rocm.toml pyproject.toml
+        AMDGPU_TARGET="${GPU_ARCH_LIST}" python setup_rocm.py install
+    )
+    (
+        cd sglang || exit 1
+        # At this SGLang generation the HIP extras (all_hip) live in python/pyproject_other.toml;
+        # python/pyproject.toml is the CUDA package and has none.
+        if [ -f python/pyproject_other.toml ]; then
+            rm -f python/pyproject.toml
+            mv python/pyproject_other.toml python/pyproject.toml
+        fi
+        grep -q '^all_hip' python/pyproject.toml || die "SGLang ${SGLANG_REF} defines no all_hip extra"
+        pip install -e "python[all_hip]"
+    )
+    pip install "sglang-router==${SGLANG_ROUTER_VERSION}"
     # MI300X in virtualised environments reports itself as MI300X_VF: reuse the tuned configs
     find sglang/python/sglang/srt/layers/quantization/configs/ \
          sglang/python/sglang/srt/layers/moe/fused_moe_triton/configs/ \
          -type f -name '*MI300X*' 2>/dev/null | while read -r f; do cp -n "$f" "${f/MI300X/MI300X_VF}"; done
 fi
 
-if [ "${SKIP_MEGATRON:-0}" != "1" ]; then
-    pip install "numpy>=1.21.0,<2.0"
+if step MEGATRON; then
+    [ -d "${SLIME_PATCH_DIR}" ] || die "${SLIME_PATCH_DIR} is missing: SLIME_PATCH_VERSION must name a folder of slime's docker/patch/"
+    # slime's docker/Dockerfile pins the two together (Megatron needs NumPy 1.x)
+    pip install "numpy==1.26.4" "scipy==1.17.1"
+    pip uninstall -y megatron-core || true
     clone https://github.com/NVIDIA/Megatron-LM.git Megatron-LM "${MEGATRON_REF}"
-    for p in amd_megatron_fused_kernels_init.patch megatron.patch; do
-        if [ -f "${AMD_PATCH_DIR}/$p" ] && git -C Megatron-LM apply --check "${AMD_PATCH_DIR}/$p"; then
-            git -C Megatron-LM apply "${AMD_PATCH_DIR}/$p"
-        fi
-    done
-    (cd Megatron-LM && pip install -e .)
+    apply_patch Megatron-LM "${AMD_PATCH_DIR}/amd_megatron_fused_kernels_init.patch"
+    apply_patch Megatron-LM "${SLIME_PATCH_DIR}/megatron.patch"
+    if [ -f "${SLIME_PATCH_DIR}/megatron-sglang-aligned.patch" ]; then
+        apply_patch Megatron-LM "${SLIME_PATCH_DIR}/megatron-sglang-aligned.patch"
+    fi
+    (cd Megatron-LM && pip install --no-build-isolation -e .)
 fi
 
-if [ "${SKIP_APEX:-0}" != "1" ]; then
+if step APEX; then
+    torch_minor=$(python -c 'import torch; print(".".join(torch.__version__.split("+")[0].split(".")[:2]))')
+    APEX_REF=${APEX_REF:-$(apex_ref_for_torch "${torch_minor}")} \
+        || die "no pinned ROCm/apex commit for torch ${torch_minor}; set APEX_REF"
     pip uninstall -y apex || true
-    clone https://github.com/ROCm/apex.git apex master
-    (cd apex && python setup.py install)
+    clone https://github.com/ROCm/apex.git apex "${APEX_REF}"
+    (cd apex && APEX_BUILD_CPP_OPS=1 APEX_BUILD_CUDA_OPS=1 pip install --no-build-isolation .)
 fi
 
-if [ "${SKIP_RAY:-0}" != "1" ]; then
-    pip install "ray[data,train,tune,serve]==${RAY_VERSION}" torch_memory_saver tensorboard
+if step RAY; then
+    pip install "ray[data,train,tune,serve]==${RAY_VERSION}" "torch_memory_saver==${TORCH_MEMORY_SAVER_VERSION}" tensorboard
 fi
 
-if [ "${SKIP_SLIME:-0}" != "1" ]; then
-    (cd "${SLIME_DIR}" && pip install -e . --no-deps)
+if step SLIME_INSTALL; then
+    pip install -r "${SLIME_DIR}/requirements.txt"
+    pip install --no-deps -e "${SLIME_DIR}"
 fi
 
-if [ "${SKIP_APRIL:-0}" != "1" ]; then
+if step APRIL; then
     pip install -e "${APRIL_SLIME_DIR}"
-    bash "${APRIL_SLIME_DIR}/patches/check.sh" "${SLIME_DIR}" || true
-    for p in "${APRIL_SLIME_DIR}"/patches/slime-*.patch; do
-        if git -C "${SLIME_DIR}" apply --check "$p" 2>/dev/null; then
-            git -C "${SLIME_DIR}" apply "$p"
-        fi
-    done
-    python "${APRIL_SLIME_DIR}/scripts/check_env.py" --slime-dir "${SLIME_DIR}" || true
+    # slime patches of this plugin: applied 3-way; any that does not apply stops the build
+    bash "${APRIL_SLIME_DIR}/patches/check.sh" --apply "${SLIME_DIR}"
+    if [ "${CHECK_ENV:-1}" = "1" ]; then
+        python "${APRIL_SLIME_DIR}/scripts/check_env.py" --slime-dir "${SLIME_DIR}"
+    fi
 fi

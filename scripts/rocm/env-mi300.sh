@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Environment of an MI300X (gfx942) node for slime + SGLang + april_slime.
 # Source it before building (build-mi300.sh does) and before launching a job.
 # Values follow slime's docker/Dockerfile.rocm (MI300) and docker/Dockerfile.rocm_MI350-5.
