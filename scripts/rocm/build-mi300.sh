@@ -46,9 +46,9 @@ apex_ref_for_torch() {  # <torch major.minor>
     esac
 }
 # slime's ROCm patches: the Megatron fused-kernel loader for HIP. amd_patch/latest/megatron.patch
-# and sglang.patch target Megatron 48406695 / SGLang 0.5.0rc0 and do not apply to the pinned
-# versions (slime's docker/patch/<version>/ patches carry their changes); set AMD_SGLANG_PATCH=1
-# only with an SGLANG_REF they were written for.
+# and sglang.patch were written for the Megatron 48406695 / SGLang of slime's 2025 ROCm recipes
+# and do not apply to the pinned versions (slime's docker/patch/<version>/ patches replace
+# them); set AMD_SGLANG_PATCH=1 only with an SGLANG_REF the SGLang one was written for.
 AMD_PATCH_DIR=${AMD_PATCH_DIR:-${SLIME_DIR}/docker/amd_patch/latest}
 AMD_SGLANG_PATCH=${AMD_SGLANG_PATCH:-0}
 
@@ -67,10 +67,10 @@ python - <<'EOF' || die "april_slime needs Python >= 3.11 (asyncio.timeout); use
 import sys
 sys.exit(0 if sys.version_info >= (3, 11) else 1)
 EOF
-TORCH_VERSION=$(python -c 'import torch; print(torch.__version__)') \
+torch_info=$(python -c 'import torch; print(torch.__version__, torch.version.hip or "")') \
     || die "torch is not importable: start from a ROCm PyTorch image"
-python -c 'import sys, torch; sys.exit(0 if torch.version.hip else 1)' \
-    || die "torch ${TORCH_VERSION} is not a ROCm build"
+read -r TORCH_VERSION TORCH_HIP <<<"${torch_info}"
+[ -n "${TORCH_HIP:-}" ] || die "torch ${TORCH_VERSION} is not a ROCm build"
 # Every pip call below keeps the image's ROCm torch: an unpinned dependency on torch would
 # otherwise resolve to the CUDA wheel on PyPI (several GB of nvidia packages) and replace it.
 mkdir -p "${WORKDIR}"
