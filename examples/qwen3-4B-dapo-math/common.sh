@@ -169,6 +169,9 @@ PERF_ARGS=(
    --recompute-method uniform
    --recompute-num-layers 1
    --use-dynamic-batch-size
+   # slime's value: a longer sample (a 16K response) gets a micro-batch of its own
+   # (slime/utils/dp_schedule.py); not measured here on GPUs, so if that one runs out of memory,
+   # lower ROLLOUT_MAX_RESPONSE_LEN
    --max-tokens-per-gpu 9216
 )
 
