@@ -425,3 +425,140 @@ def test_build_mi300_refuses_python_below_3_11(tmp_path):
     result = run(["bash", BUILD_MI300], env=env)
     assert result.returncode == 1
     assert "april_slime needs Python >= 3.11" in result.stderr
+
+
+# The SGLang and Megatron steps, run offline: local repositories stand in for the upstream ones
+# (the *_REPO variables), a `pip` that records its arguments stands in for pip, and the slime
+# checkout holds only the patch folders the steps read.
+
+GIT_ID = ["-c", "user.email=ci@example.invalid", "-c", "user.name=ci"]
+
+
+def make_repo(path: Path, files: dict[str, str]) -> str:
+    for name, text in files.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(text)
+    git_init(path)
+    return subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def diff_of(repo: Path, name: str, new_text: str) -> str:
+    """A git patch changing one file of `repo`, which is left as it was."""
+    target = repo / name
+    old_text = target.read_text()
+    target.write_text(new_text)
+    patch = subprocess.run(["git", "-C", str(repo), "diff"], capture_output=True, text=True, check=True).stdout
+    target.write_text(old_text)
+    return patch
+
+
+@pytest.fixture
+def build_env(tmp_path) -> dict:
+    env = fake_torch(tmp_path, "2.9.1+rocm7.2.0", "7.2.0")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    pip = bin_dir / "pip"
+    pip.write_text('#!/bin/sh\necho "$*" >> "$PIP_LOG"\n')
+    pip.chmod(0o755)
+    env.update(
+        PATH=os.pathsep.join([str(bin_dir), env["PATH"]]), PIP_LOG=str(tmp_path / "pip.log"),
+        SLIME_DIR=str(tmp_path / "slime"), CHECK_ENV="0",
+        **{f"SKIP_{step}": "1" for step in ("SLIME", "AITER", "TE", "SGLANG", "MEGATRON", "APEX",
+                                             "RAY", "SLIME_INSTALL", "APRIL")},
+    )
+    (tmp_path / "slime" / "docker" / "patch" / "v0.5.15.post1").mkdir(parents=True)
+    (tmp_path / "slime" / "docker" / "amd_patch" / "latest").mkdir(parents=True)
+    return env
+
+
+def pip_calls(env: dict) -> list[str]:
+    log = Path(env["PIP_LOG"])
+    return log.read_text().splitlines() if log.exists() else []
+
+
+MEGATRON_CORE = "".join(f"v{i} = {i}\n" for i in range(12))
+
+
+@pytest.fixture
+def megatron_upstream(tmp_path, build_env) -> Path:
+    repo = tmp_path / "upstream-megatron"
+    build_env["MEGATRON_REF"] = make_repo(repo, {"megatron/core.py": MEGATRON_CORE})
+    build_env["MEGATRON_REPO"] = str(repo)
+    slime = Path(build_env["SLIME_DIR"]) / "docker"
+    (slime / "amd_patch" / "latest" / "amd_megatron_fused_kernels_init.patch").write_text(
+        diff_of(repo, "megatron/core.py", MEGATRON_CORE.replace("v1 = 1", "v1 = 'hip'")))
+    return repo
+
+
+def test_build_megatron_applies_amd_then_version_patch(tmp_path, build_env, megatron_upstream):
+    patch_dir = Path(build_env["SLIME_DIR"]) / "docker" / "patch" / "v0.5.15.post1"
+    (patch_dir / "megatron.patch").write_text(
+        diff_of(megatron_upstream, "megatron/core.py", MEGATRON_CORE.replace("v9 = 9", "v9 = 'slime'")))
+    result = run(["bash", BUILD_MI300], env={**build_env, "SKIP_MEGATRON": "0"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    patched = MEGATRON_CORE.replace("v1 = 1", "v1 = 'hip'").replace("v9 = 9", "v9 = 'slime'")
+    assert (tmp_path / "w" / "Megatron-LM" / "megatron" / "core.py").read_text() == patched
+    assert pip_calls(build_env)[-1] == "install --no-build-isolation -e ."
+
+
+def test_build_megatron_stops_on_a_patch_that_does_not_apply(tmp_path, build_env, megatron_upstream):
+    """Where the old script skipped an AMD patch whose --check failed, the build now stops."""
+    patch_dir = Path(build_env["SLIME_DIR"]) / "docker" / "patch" / "v0.5.15.post1"
+    (patch_dir / "megatron.patch").write_text(
+        # written against a different line than upstream has
+        diff_of(megatron_upstream, "megatron/core.py", MEGATRON_CORE.replace("v9 = 9", "v9 = 'slime'"))
+        .replace("-v9 = 9", "-v9 = 99"))
+    result = run(["bash", BUILD_MI300], env={**build_env, "SKIP_MEGATRON": "0"})
+    assert result.returncode == 1
+    assert "build-mi300: megatron.patch does not apply to Megatron-LM at" in result.stderr
+    assert "install --no-build-isolation -e ." not in pip_calls(build_env)
+
+
+def test_build_megatron_stops_when_a_patch_is_missing(build_env, megatron_upstream):
+    result = run(["bash", BUILD_MI300], env={**build_env, "SKIP_MEGATRON": "0"})
+    assert result.returncode == 1
+    assert "megatron.patch is missing" in result.stderr
+
+
+def test_build_sglang_patches_then_installs_the_hip_extras(tmp_path, build_env):
+    repo = tmp_path / "upstream-sglang"
+    build_env["SGLANG_REF"] = make_repo(repo, {
+        "python/sglang/srt/server.py": "WEIGHT_VERSION = None\n",
+        "python/pyproject.toml": '[project]\nname = "sglang"\n[project.optional-dependencies]\nsrt = ["torch"]\n',
+        "python/pyproject_other.toml": '[project]\nname = "sglang"\n[project.optional-dependencies]\nsrt_hip = ["torch"]\nall_hip = ["sglang[srt_hip]"]\n',
+        "sgl-kernel/pyproject.toml": "cuda\n",
+        "sgl-kernel/pyproject_rocm.toml": "rocm\n",
+        "sgl-kernel/setup_rocm.py": "import os, pathlib\npathlib.Path('built-for').write_text(os.environ['AMDGPU_TARGET'] + open('pyproject.toml').read())\n",
+        "python/sglang/srt/layers/quantization/configs/N=1,device_name=AMD_Instinct_MI300X.json": "{}\n",
+    })
+    build_env["SGLANG_REPO"] = str(repo)
+    patch_dir = Path(build_env["SLIME_DIR"]) / "docker" / "patch" / "v0.5.15.post1"
+    (patch_dir / "sglang.patch").write_text(
+        diff_of(repo, "python/sglang/srt/server.py", "WEIGHT_VERSION = 'slime'\n"))
+    result = run(["bash", BUILD_MI300], env={**build_env, "SKIP_SGLANG": "0"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    tree = tmp_path / "w" / "sglang"
+    assert (tree / "python/sglang/srt/server.py").read_text() == "WEIGHT_VERSION = 'slime'\n"
+    # the HIP extras come from pyproject_other.toml, moved over the CUDA pyproject.toml
+    assert "all_hip" in (tree / "python" / "pyproject.toml").read_text()
+    assert (tree / "sgl-kernel" / "built-for").read_text() == "gfx942rocm\n"
+    assert (tree / "python/sglang/srt/layers/quantization/configs/N=1,device_name=AMD_Instinct_MI300X_VF.json").exists()
+    calls = pip_calls(build_env)
+    assert "install -e python[all_hip]" in calls
+    assert "install sglang-router==0.3.2" in calls
+    # a second run finds the patched tree and says so, rather than building on top of it
+    again = run(["bash", BUILD_MI300], env={**build_env, "SKIP_SGLANG": "0"})
+    assert again.returncode == 1 and "sglang has local changes" in again.stderr
+
+
+def test_build_apex_commit_follows_torch(tmp_path, build_env):
+    repo = tmp_path / "upstream-apex"
+    make_repo(repo, {"setup.py": ""})
+    env = {**fake_torch(tmp_path / "t213", "2.13.0+rocm7.2", "7.2"), "PATH": build_env["PATH"],
+           "PIP_LOG": build_env["PIP_LOG"], "SLIME_DIR": build_env["SLIME_DIR"], "CHECK_ENV": "0",
+           "APEX_REPO": str(repo), "WORKDIR": build_env["WORKDIR"],
+           **{k: v for k, v in build_env.items() if k.startswith("SKIP_")}, "SKIP_APEX": "0"}
+    result = run(["bash", BUILD_MI300], env=env)
+    assert result.returncode == 1
+    assert "no pinned ROCm/apex commit for torch 2.13; set APEX_REF" in result.stderr

@@ -22,6 +22,14 @@ APRIL_SLIME_DIR=${APRIL_SLIME_DIR:-$(cd -- "${HERE}/../.." && pwd)}
 MAX_JOBS=${MAX_JOBS:-64}
 export MAX_JOBS
 
+# sources (override to build from mirrors)
+SLIME_REPO=${SLIME_REPO:-https://github.com/THUDM/slime.git}
+SGLANG_REPO=${SGLANG_REPO:-https://github.com/sgl-project/sglang.git}
+MEGATRON_REPO=${MEGATRON_REPO:-https://github.com/NVIDIA/Megatron-LM.git}
+AITER_REPO=${AITER_REPO:-https://github.com/ROCm/aiter.git}
+TE_REPO=${TE_REPO:-https://github.com/ROCm/TransformerEngine.git}
+APEX_REPO=${APEX_REPO:-https://github.com/ROCm/apex.git}
+
 # ---------------------------------------------------------------- pins (scripts/rocm/README.md)
 SLIME_REF=${SLIME_REF:-624b824a898ab0ec1fcb4d373004c7f3852bf515}
 # slime's docker/README.md at SLIME_REF: stable pair SGLang v0.5.15.post1 + Megatron 1dcf0daf
@@ -101,13 +109,13 @@ apply_patch() {  # <dir> <patch>: 3-way (as slime's Dockerfiles), and loud on an
 
 # ---------------------------------------------------------------- steps
 if step SLIME; then
-    clone https://github.com/THUDM/slime.git "${SLIME_DIR}" "${SLIME_REF}"
+    clone "${SLIME_REPO}" "${SLIME_DIR}" "${SLIME_REF}"
 fi
 SLIME_PATCH_DIR="${SLIME_DIR}/docker/patch/${SLIME_PATCH_VERSION}"
 
 if step AITER; then
     pip uninstall -y aiter || true
-    clone https://github.com/ROCm/aiter.git aiter "${AITER_REF}"
+    clone "${AITER_REPO}" aiter "${AITER_REF}"
     (
         cd aiter || exit 1
         pip install -r requirements.txt
@@ -119,7 +127,7 @@ if step AITER; then
 fi
 
 if step TE; then
-    clone https://github.com/ROCm/TransformerEngine.git TransformerEngine "${TE_REF}"
+    clone "${TE_REPO}" TransformerEngine "${TE_REF}"
     (cd TransformerEngine && pip install --no-build-isolation -v .)
 fi
 
@@ -127,7 +135,7 @@ if step SGLANG; then
     [ -d "${SLIME_PATCH_DIR}" ] || die "${SLIME_PATCH_DIR} is missing: SLIME_PATCH_VERSION must name a folder of slime's docker/patch/"
     pip install IPython orjson python-multipart torchao==0.9.0 pybind11
     pip uninstall -y sgl_kernel sglang || true
-    clone https://github.com/sgl-project/sglang.git sglang "${SGLANG_REF}"
+    clone "${SGLANG_REPO}" sglang "${SGLANG_REF}"
     # slime's SGLang patches for this version, in the order slime's docker/Dockerfile applies them
     apply_patch sglang "${SLIME_PATCH_DIR}/sglang.patch"
     for p in sglang-top_p.patch sglang-release_hicache.patch sglang-pull_weights.patch sglang-deterministic.patch; do
@@ -157,9 +165,14 @@ if step SGLANG; then
     )
     pip install "sglang-router==${SGLANG_ROUTER_VERSION}"
     # MI300X in virtualised environments reports itself as MI300X_VF: reuse the tuned configs
-    find sglang/python/sglang/srt/layers/quantization/configs/ \
-         sglang/python/sglang/srt/layers/moe/fused_moe_triton/configs/ \
-         -type f -name '*MI300X*' 2>/dev/null | while read -r f; do cp -n "$f" "${f/MI300X/MI300X_VF}"; done
+    for d in sglang/python/sglang/srt/layers/quantization/configs \
+             sglang/python/sglang/srt/layers/moe/fused_moe_triton/configs; do
+        [ -d "$d" ] || continue
+        find "$d" -type f -name '*MI300X*' -print0 | while IFS= read -r -d '' f; do
+            vf="${f/MI300X/MI300X_VF}"
+            [ -e "$vf" ] || cp "$f" "$vf"
+        done
+    done
 fi
 
 if step MEGATRON; then
@@ -167,7 +180,7 @@ if step MEGATRON; then
     # slime's docker/Dockerfile pins the two together (Megatron needs NumPy 1.x)
     pip install "numpy==1.26.4" "scipy==1.17.1"
     pip uninstall -y megatron-core || true
-    clone https://github.com/NVIDIA/Megatron-LM.git Megatron-LM "${MEGATRON_REF}"
+    clone "${MEGATRON_REPO}" Megatron-LM "${MEGATRON_REF}"
     apply_patch Megatron-LM "${AMD_PATCH_DIR}/amd_megatron_fused_kernels_init.patch"
     apply_patch Megatron-LM "${SLIME_PATCH_DIR}/megatron.patch"
     if [ -f "${SLIME_PATCH_DIR}/megatron-sglang-aligned.patch" ]; then
@@ -181,7 +194,7 @@ if step APEX; then
     APEX_REF=${APEX_REF:-$(apex_ref_for_torch "${torch_minor}")} \
         || die "no pinned ROCm/apex commit for torch ${torch_minor}; set APEX_REF"
     pip uninstall -y apex || true
-    clone https://github.com/ROCm/apex.git apex "${APEX_REF}"
+    clone "${APEX_REPO}" apex "${APEX_REF}"
     (cd apex && APEX_BUILD_CPP_OPS=1 APEX_BUILD_CUDA_OPS=1 pip install --no-build-isolation .)
 fi
 
