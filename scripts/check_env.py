@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 PINNED_SLIME_COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
-MIN_PYTHON = (3, 10)  # slime's own floor; april_slime's tests run on 3.11+
+MIN_PYTHON = (3, 11)  # april_slime's floor (asyncio.timeout); slime itself accepts 3.10
 PATCH_DIR = Path(__file__).resolve().parent.parent / "patches"
 
 
@@ -69,10 +69,12 @@ def check_dir(r: Report, what: str, directory: Path) -> bool:
     return True
 
 
-def check_python(r: Report) -> None:
-    v = sys.version_info
-    text = f"{v.major}.{v.minor}.{v.micro} ({sys.executable})"
-    (r.ok if v[:2] >= MIN_PYTHON else r.fail)("python", text)
+def check_python(r: Report, v: tuple[int, ...] = tuple(sys.version_info[:3])) -> None:
+    text = f"{'.'.join(map(str, v[:3]))} ({sys.executable})"
+    if tuple(v[:2]) >= MIN_PYTHON:
+        r.ok("python", text)
+    else:
+        r.fail("python", f"{text}; april_slime needs >= {'.'.join(map(str, MIN_PYTHON))}")
 
 
 def check_torch(r: Report, require_gpu: bool) -> None:

@@ -270,6 +270,18 @@ def check_env(check_env_main, capsys):
     return call
 
 
+def test_check_env_python_floor_is_the_plugins(capsys):
+    spec = importlib.util.spec_from_file_location("check_env_floor", CHECK_ENV)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = module.Report()
+    module.check_python(report, (3, 10, 14))
+    assert report.failed and "april_slime needs >= 3.11" in capsys.readouterr().out
+    report = module.Report()
+    module.check_python(report, (3, 11, 0))
+    assert not report.failed
+
+
 def test_check_env_runs_as_a_script():
     result = run([sys.executable, CHECK_ENV, "--slime-dir", "/nonexistent"])
     assert "[FAIL] slime dir        /nonexistent does not exist" in result.stdout
