@@ -89,10 +89,12 @@ check_tree() {  # <kind> <dir>
     fi
     # all-or-nothing per tree: apply only when every patch of this tree is usable
     if [ "$apply" -eq 1 ] && [ "$status" -eq 0 ]; then
-        for patch in "${pending[@]}"; do
+        # (the ${x+...} form: bash before 4.4 calls an empty array unbound under set -u)
+        for patch in ${pending[@]+"${pending[@]}"}; do
             name="$(basename "$patch")"
             if is_checkout "$dir"; then
-                # 3-way: a hunk whose context drifted is merged with the blobs the patch names
+                # 3-way, as slime's Dockerfiles apply theirs; the result is staged, so
+                # `git diff --cached` shows what the patches changed
                 if ! git -C "$dir" apply --3way "$patch"; then
                     echo "$name: git apply --3way failed in $dir" >&2
                     status=1
