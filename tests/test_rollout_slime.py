@@ -213,6 +213,23 @@ def test_a_bad_value_stops_the_job_with_one_line(slime_mode, tmp_path, prompts, 
     assert message.startswith(key) and "\n" not in message
 
 
+@pytest.mark.parametrize("yaml_text, message", [
+    ("policy: april\n", "policy: plugin settings take the april_ prefix; closest valid name: april_policy"),
+    ("april_polcy: april\n", "april_polcy: unknown setting; closest valid name: april_policy"),
+    ("april_policy:\n", "april_policy: must not be empty"),
+])
+def test_a_misspelled_custom_config_key_stops_the_job(slime_mode, tmp_path, prompts, yaml_text, message):
+    path = tmp_path / "april.yaml"
+    path.write_text(yaml_text)
+    args = make_args(tmp_path, prompts, custom_config_path=str(path))
+    del args.april_policy
+    for key, value in yaml.safe_load(yaml_text).items():  # what slime does with the file
+        setattr(args, key, value)
+    with pytest.raises(AprilConfigError) as err:
+        rollout.AprilDataSource(args)
+    assert str(err.value) == message
+
+
 def test_rollout_function_needs_the_april_data_source(slime_mode, tmp_path, prompts):
     with pytest.raises(AprilConfigError, match="data_source_path"):
         rollout.generate_rollout(make_args(tmp_path, prompts), 0, object())
