@@ -81,7 +81,7 @@ def test_snapshot_across_a_shuffled_epoch_restores_slimes_order(slime_mode, tmp_
     assert again == taken_by_1
 
 
-@pytest.mark.parametrize("point", ["tmp_synced", "renamed"])
+@pytest.mark.parametrize("point", ["tmp_synced"])  # "renamed" and later: the restart tests above
 def test_sigkill_mid_save_on_real_slime(tmp_path, point):
     prompts = tmp_path / "prompts.jsonl"
     # few enough prompts that the restarted run wraps into a shuffled second epoch
