@@ -190,3 +190,49 @@ def test_the_write_fsyncs_the_file_then_the_folder_after_the_rename(tmp_path, mo
     assert [p.name.endswith(".tmp") for p, _ in synced] == [True, False]
     assert synced[0][1] is False  # the temporary file, before the rename
     assert synced[1] == (tmp_path, True)  # the folder, after the rename
+
+
+class SimulatedKill(BaseException):
+    """Raised by a save-point hook: leaves the disk as SIGKILL there would (for in-process soaks)."""
+
+
+@pytest.mark.parametrize("point", checkpoint.SAVE_POINTS)
+def test_an_in_process_hook_stops_a_save_where_a_kill_would(tmp_path, monkeypatch, point):
+    import slime_standin
+    from april_slime import rollout
+
+    slime_standin.install(monkeypatch, force=True)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"P{i}"}) + "\n" for i in range(20)))
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(prompt_data=str(prompts), input_key="prompt", label_key=None, hf_checkpoint="toy",
+                           n_samples_per_prompt=2, rollout_batch_size=2, rollout_max_response_len=8,
+                           save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"))
+    source = rollout.AprilDataSource(args)
+    source.next_groups(2, 1)
+    source.save(0)
+    source.next_groups(2, 1)
+
+    def hook(name):
+        if name == point:
+            raise SimulatedKill(name)
+
+    monkeypatch.setattr(checkpoint, "SAVE_POINT_HOOK", hook)
+    with pytest.raises(SimulatedKill):
+        source.save(1)
+    folder = tmp_path / "ckpt" / "rollout"
+    left = sorted(p.name for p in folder.iterdir())
+    assert any(n.endswith(".tmp") for n in left) == (point in ("tmp_partial", "tmp_synced"))
+    assert ("april_state_1.json" in left) == (point in ("renamed", "end"))
+    monkeypatch.setattr(checkpoint, "SAVE_POINT_HOOK", None)
+    restarted = rollout.AprilDataSource(args)
+    if point in ("renamed", "end"):
+        restarted.load(1)
+        assert restarted._prompts.sample_group_index == 4
+    else:
+        with pytest.raises(rollout.StateFileError, match="april_state_1.json: missing"):
+            restarted.load(1)
+        restarted.load(0)
+        assert restarted._prompts.sample_group_index == 2
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
