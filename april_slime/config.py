@@ -108,9 +108,9 @@ class AprilConfig:
                                        f"one call at most {MAX_TOTAL_RETRY_BACKOFF_S:.0f} s)."})
     buffer_dir: str | None = field(
         default=None,
-        metadata={"help": "Folder of the partial-buffer checkpoint (april_state_<rollout_id>.json); default: "
-                          "<args.save>/rollout (loaded from <args.load>/rollout), next to slime's "
-                          "own data-source state."},
+        metadata={"help": "Folder of the data-source checkpoint (april_state_<rollout_id>.json: prompt "
+                          "position and partial buffer); default: <args.save>/rollout (loaded from "
+                          "<args.load>/rollout), next to slime's own data-source state."},
     )
     # ---------------------------------------------------------------- loss side
     is_mode: str = field(
