@@ -243,8 +243,6 @@ class AprilConfig:
         if self.adaptive_concurrency and self.policy != "copris":
             _fail("adaptive_concurrency", f"needs april_policy: copris (it tunes the requests in flight, "
                                           f"which only copris holds fixed), got policy {self.policy!r}")
-        if self.concurrency is not None and self.policy != "copris":
-            _fail("concurrency", f"only the copris policy reads it, got policy {self.policy!r}")
         if self.max_concurrency is not None and not self.adaptive_concurrency:
             _fail("max_concurrency", "only read with april_adaptive_concurrency: true")
         if self.adaptive_concurrency and self.concurrency is not None:
