@@ -29,24 +29,23 @@ shuffle for the epoch applied as slime's own ``load`` does), and slime's ``.pt``
 written by older versions of this module (format 1, no prompt position) are read with slime's
 ``.pt`` for the position.
 
-Write order and what a kill leaves. ``save(N)`` passes these named points (``SAVE_POINTS``):
+Write order and what a kill leaves. ``save(N)`` passes these named points (``SAVE_POINTS``), in
+this order; "refused" means ``load(N)`` stops the job naming ``april_state_N.json`` as missing and
+naming the latest complete checkpoint (N-1), whose state is untouched:
 
-=====================  ===========================================  ===================================
-point                  on disk when killed here                      restart from N
-=====================  ===========================================  ===================================
-``begin``              nothing of N (stale ``.tmp`` files removed)   refused: april_state_N.json missing
-``prompt_state_written`` slime's ``.pt`` of N, fsynced               refused: april_state_N.json missing
-``tmp_partial``        + half of ``.april_state_N.json.*.tmp``      refused: april_state_N.json missing
-``tmp_synced``         + the complete ``.tmp``, fsynced, not renamed refused: april_state_N.json missing
-``renamed``            april_state_N.json complete (folder fsync     loads N completely
-                       pending: only power loss can undo the rename)
-``end``                everything, folder fsynced                    loads N completely
-=====================  ===========================================  ===================================
+* ``begin``: stale ``.tmp`` files removed, nothing of N written. Restart from N: refused.
+* ``prompt_state_written``: slime's ``.pt`` of N written and fsynced. Restart from N: refused.
+* ``tmp_partial``: half of ``.april_state_N.json.<random>.tmp`` written. Restart from N: refused.
+* ``tmp_synced``: the temporary file complete and fsynced, not renamed. Restart from N: refused.
+* ``renamed``: ``april_state_N.json`` complete; the folder fsync is pending, so only a power loss
+  could still undo the rename. Restart from N: loads N completely.
+* ``end``: the folder fsynced. Restart from N: loads N completely.
 
 The rename of ``april_state_N.json`` is the commit: before it, checkpoint N's data-source state
 does not exist and every earlier checkpoint is untouched (each N has its own files); after it, the
 whole state of N exists. A re-save of the same N replaces the file atomically (the old complete
-state until the rename). slime saves the model before the data source, so a kill before the
+state until the rename; slime's ``.pt``, rewritten first and not atomically, is never read while
+the april file exists). slime saves the model before the data source, so a kill before the
 rename leaves a model checkpoint N without its data-source state: ``load(N)`` then stops the job
 with one line naming the missing file and the latest complete checkpoint in the folder (resume
 from that one, e.g. with ``--ckpt-step``), never an empty buffer or a rewound prompt position.
@@ -57,7 +56,8 @@ Fault injection. ``SAVE_POINT_HOOK`` (a callable taking the point name, or None)
 point; a hook that raises an exception deriving from ``BaseException`` but not ``Exception`` leaves
 the disk exactly as a kill there does (the temporary file is not cleaned up). With the environment
 variable ``APRIL_SLIME_SAVE_KILL_AT=<point>`` the process sends itself SIGKILL at that point: a real
-kill -9 mid-save, for subprocess tests (``tests/test_save_kill.py``).
+kill -9 mid-save, for subprocess tests: ``tests/test_save_kill.py`` (``kill_and_restart`` runs a
+worker in either loop order, kills save 2 at a given point, restarts, and checks a ledger).
 """
 
 from __future__ import annotations
