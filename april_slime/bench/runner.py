@@ -212,7 +212,7 @@ def mix_ideal_throughput(spec: EngineSpec, mean_context: float) -> float:
     if mean_context <= 0:
         return 0.0
     batch = min(float(spec.max_running_requests), spec.kv_capacity() / mean_context)
-    step = tm.decode_t0 + tm.decode_per_request * batch + tm.decode_per_kv_token * batch * mean_context
+    step = tm.decode_fixed(batch) + tm.decode_per_kv_token * batch * mean_context
     return spec.num_engines * batch / step
 
 

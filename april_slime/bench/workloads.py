@@ -217,9 +217,9 @@ def ideal_throughput(spec: EngineSpec, workload: Workload, stats: LengthStats) -
     slot = workload.prompt_len + stats.kv_per_slot
     batch = min(float(spec.max_running_requests), capacity / slot)
     kv = batch * slot
-    step = tm.decode_step(1, 0) - tm.decode_per_request + tm.decode_per_request * batch \
-        + tm.decode_per_kv_token * kv
-    prefill_per_token = (tm.prefill_per_token * workload.prompt_len) / stats.mean
+    step = tm.decode_fixed(batch) + tm.decode_per_kv_token * kv
+    p = workload.prompt_len
+    prefill_per_token = (tm.prefill_per_token * p + tm.prefill_per_token_pair * p * (p + 1) / 2) / stats.mean
     seconds_per_token = step / batch + prefill_per_token
     per_engine = 1.0 / seconds_per_token
     return {"tokens_per_s": per_engine * spec.num_engines, "per_engine_tokens_per_s": per_engine,

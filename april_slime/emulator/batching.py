@@ -52,6 +52,11 @@ class TimeModel:
     # eagerly and pays ``eager_step_extra_s`` of kernel-launch overhead per step.
     graph_max_batch: float = 0.0
     eager_step_extra_s: float = 0.0
+    # Roofline of the dense layers: a decode step reads the weights (part of ``decode_t0``) while
+    # it computes ``decode_flops_per_request`` seconds of matmuls per request; the two overlap, so
+    # the compute only adds time once it exceeds ``decode_overlap_s`` (the weight-read time).
+    decode_flops_per_request: float = 0.0
+    decode_overlap_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -64,7 +69,8 @@ class TimeModel:
         """The part of a decode step that does not depend on the KV in use."""
         eager = (self.eager_step_extra_s
                  if self.graph_max_batch > 0 and num_running > self.graph_max_batch else 0.0)
-        return self.decode_t0 + eager + self.decode_per_request * num_running
+        compute = max(0.0, self.decode_flops_per_request * num_running - self.decode_overlap_s)
+        return self.decode_t0 + eager + self.decode_per_request * num_running + compute
 
     def decode_step(self, num_running: int, kv_tokens: int) -> float:
         return self.decode_fixed(num_running) + self.decode_per_kv_token * kv_tokens
