@@ -1,41 +1,76 @@
-"""``april-slime bench`` command line."""
+"""``april-slime bench`` command line (and ``april-slime bench reproduce``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import time
 from dataclasses import fields, replace
 from typing import Any, Sequence
 
-from .report import format_table, headline, plot
-from .runner import PolicyRun, run_benchmark
+from .report import format_band, format_table, headline, plot
+from .runner import PolicyRun, Progress, StepRecord, plan, run_benchmark
 from .spec import ENGINE_PRESETS, EngineSpec
 from .workloads import MODES, POLICIES, QUICK, WORKLOADS, Workload
 
-# ============================================================================ command line
-def _parse_value(text: str) -> Any:
-    lowered = text.strip().lower()
-    if lowered in ("none", "null"):
+
+# ============================================================================ --set values
+def _field_kind(annotation: str) -> str:
+    """What a dataclass field holds, from its (string) annotation."""
+    a = annotation.replace(" ", "")
+    if a.startswith("tuple"):
+        return "tuple"
+    for kind in ("bool", "int", "float", "str"):
+        if a.split("|")[0] == kind:
+            return kind
+    return "any"
+
+
+def _coerce(key: str, raw: str, annotation: str) -> Any:
+    """``raw`` as the type field ``key`` holds; a value that does not parse names the key."""
+    text = raw.strip()
+    kind = _field_kind(annotation)
+    optional = "None" in annotation
+    if optional and text.lower() in ("none", "null", ""):
         return None
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    if "," in text:
-        return tuple(_parse_value(t) for t in text.split(",") if t.strip())
+    try:
+        if kind == "bool":
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return text.lower() in ("true", "1", "yes")
+        if kind == "int":
+            value = float(text)
+            if not value.is_integer():
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            value = float(text)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
+        if kind == "tuple":
+            items = [t.strip() for t in text.split(",") if t.strip()]
+            if not items:
+                raise ValueError
+            if key == "sweep_values":
+                return tuple(float(t) for t in items)
+            return tuple(items)
+    except ValueError:
+        expected = {"bool": "true or false", "int": "an integer", "float": "a finite number",
+                    "tuple": "a comma-separated list" + (" of numbers" if key == "sweep_values" else "")}
+        none = " or none" if optional else ""
+        raise ValueError(f"--set {key}={raw!r}: expected {expected[kind]}{none}") from None
     return text
 
 
 def apply_overrides(workload: Workload, spec: EngineSpec,
                     assignments: Sequence[str]) -> tuple[Workload, EngineSpec]:
     """``key=value`` pairs; keys are ``Workload`` or ``EngineSpec`` fields (unique names)."""
-    w_fields = {f.name for f in fields(Workload)}
-    s_fields = {f.name for f in fields(EngineSpec)}
+    w_fields = {f.name: f for f in fields(Workload)}
+    s_fields = {f.name: f for f in fields(EngineSpec)}
     w_changes: dict[str, Any] = {}
     s_changes: dict[str, Any] = {}
     for item in assignments:
@@ -43,39 +78,94 @@ def apply_overrides(workload: Workload, spec: EngineSpec,
         key = key.strip().replace("-", "_")
         if not eq:
             raise ValueError(f"--set {item!r}: expected key=value")
-        value = _parse_value(raw)
-        if key in ("policies", "sweep_values") and not isinstance(value, tuple):
-            value = (value,)
         if key in w_fields:
-            w_changes[key] = value
+            w_changes[key] = _coerce(key, raw, str(w_fields[key].type))
         elif key in s_fields:
-            s_changes[key] = value
+            s_changes[key] = _coerce(key, raw, str(s_fields[key].type))
         else:
             raise ValueError(f"--set {key}: unknown key; workload keys: {sorted(w_fields)}; "
                              f"engine keys: {sorted(s_fields)}")
-    return replace(workload, **w_changes), replace(spec, **s_changes)
+    try:
+        workload = replace(workload, **w_changes)
+        spec = replace(spec, **s_changes)
+    except ValueError as exc:
+        given = ", ".join(f"{k}={v!r}" for k, v in {**w_changes, **s_changes}.items())
+        raise ValueError(f"{exc} (with --set {given})") from None
+    return workload, spec
 
 
+# ============================================================================ progress
+class _Bar(Progress):
+    """A tqdm bar over every step of every run (what slime uses for its own progress); plain
+    lines every 30 s where tqdm is not installed."""
+
+    def __init__(self, total_steps: int):
+        self.total = total_steps
+        self.done = 0
+        self.last_line = time.monotonic()
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self.bar = None
+        else:
+            self.bar = tqdm(total=total_steps, unit="step", file=sys.stderr, dynamic_ncols=True,
+                            mininterval=1.0)
+
+    def step(self, label: str, record: StepRecord) -> None:
+        self.done += 1
+        text = f"{label} step {record.index + 1}: rollout {record.rollout_s:.0f} s emulated"
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        elif time.monotonic() - self.last_line > 30:
+            self.last_line = time.monotonic()
+            print(f"  [{self.done}/{self.total}] {text}", file=sys.stderr, flush=True)
+
+    def run_done(self, run: PolicyRun) -> None:
+        line = f"  {run.label}: {len(run.steps)} steps in {run.wall_s:.1f} s wall"
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ============================================================================ parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="april-slime bench",
         description="Rollout policies (sync, april, copris, copris-adaptive) driven by the "
-                    "production scheduler against the SGLang emulator. See docs/bench.md.")
+                    "production scheduler against the SGLang emulator. `april-slime bench "
+                    "reproduce` sets up the published figures. See docs/bench.md.")
     p.add_argument("workload", nargs="?", default="dapo16k", choices=sorted(WORKLOADS),
-                   help="what to run (default: dapo16k)")
+                   help="what to run (default: dapo16k, the headline: 30 steps x 4 policies, "
+                        "~10 minutes on 2 cores)")
     p.add_argument("--mode", choices=MODES, default="virtual",
                    help="virtual: in-process, virtual clock (fast); http: real HTTP on loopback, "
-                        "emulator clock at --time-scale")
+                        "emulator clock at --time-scale (as slow as the emulated time / scale)")
     p.add_argument("--time-scale", type=float, default=1.0,
-                   help="http mode: emulated seconds per wall second; the client parses every "
-                        "token in wall time, so keep (emulated tok/s x scale) well under ~20k")
+                   help="http mode: emulated seconds per wall second (> 0); the client parses "
+                        "every token in wall time, so keep (emulated tok/s x scale) well under ~20k")
     p.add_argument("--engine-preset", choices=sorted(ENGINE_PRESETS), default=None,
                    help="engine/hardware calibration (default: the workload's)")
+    p.add_argument("--engine-spec", default=None, metavar="PATH",
+                   help="engine spec JSON (e.g. written by `april-slime calibrate`); fields it "
+                        "leaves out come from its base_preset or the workload's preset")
     p.add_argument("--policies", default=None,
                    help=f"comma-separated subset of {','.join(POLICIES)}")
-    p.add_argument("--steps", type=int, default=None, help="rollout steps per policy")
+    p.add_argument("--steps", type=int, default=None, help="rollout steps per policy (>= 1)")
     p.add_argument("--quick", action="store_true",
-                   help="fewer steps, prompts and sweep points (under a minute)")
+                   help="smoke test: fewer steps, prompts and sweep points (virtual: under a "
+                        "minute; --mode http: a few minutes); no steady state, so the numbers "
+                        "are not results")
+    p.add_argument("--band", action="store_true",
+                   help="also run the workload over seeds and the uncertain inputs (length tail, "
+                        "per-step overhead) and print steps/h with its band (7 variants)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="--band: processes to run variants in (default 1)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a workload or engine-spec field, e.g. --set concurrency=768 "
                         "--set mem_fraction_static=0.8 --set decode_per_kv_token=3e-8")
@@ -86,19 +176,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _configure(args: argparse.Namespace) -> tuple[Workload, EngineSpec, list[str]]:
+    """Workload and spec from the arguments, and notes to print; ValueError names what is wrong."""
+    notes: list[str] = []
     workload = WORKLOADS[args.workload]
     if args.quick:
         workload = replace(workload, **QUICK[workload.name])
-    try:
-        spec = ENGINE_PRESETS[args.engine_preset or workload.preset]
-        if args.policies:
-            workload = replace(workload, policies=tuple(x.strip() for x in args.policies.split(",")))
-        if args.steps:
+    if args.mode == "http" and not (args.time_scale > 0 and math.isfinite(args.time_scale)):
+        raise ValueError(f"--time-scale must be a finite number > 0 (emulated seconds per wall "
+                         f"second), got {args.time_scale}")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    spec = ENGINE_PRESETS[args.engine_preset or workload.preset]
+    if args.engine_spec:
+        spec = EngineSpec.load(args.engine_spec, base=spec)
+    if args.policies:
+        workload = replace(workload, policies=tuple(x.strip() for x in args.policies.split(",")))
+    if args.steps is not None:
+        if args.steps <= workload.warmup_steps:
+            # The user asked for this many steps; measure them all rather than refuse over a
+            # default they never set.
+            notes.append(f"--steps {args.steps}: every step is measured, the cold start included "
+                         f"(no warm-up left out), so this is not a steady state")
+            workload = replace(workload, steps=args.steps, warmup_steps=0)
+        else:
             workload = replace(workload, steps=args.steps)
-        workload, spec = apply_overrides(workload, spec, args.set)
-        workload = replace(workload, preset=spec.name)
+    workload, spec = apply_overrides(workload, spec, args.set)
+    workload = replace(workload, preset=spec.name)
+    return workload, spec, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "reproduce":
+        from .reproduce import main as reproduce_main
+
+        return reproduce_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        workload, spec, notes = _configure(args)
     except (ValueError, TypeError) as exc:
         print(f"april-slime bench: {exc}", file=sys.stderr)
         return 2
@@ -106,24 +224,38 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(spec.describe(), indent=2))
         return 0
 
-    def progress(run: PolicyRun) -> None:
-        print(f"  {run.label}: {len(run.steps)} steps in {run.wall_s:.1f} s wall", file=sys.stderr,
-              flush=True)
-
-    print(f"april-slime bench {workload.name} ({args.mode}) on {spec.model}, {spec.num_engines} "
-          f"engines x {spec.gpus_per_engine} GPUs", file=sys.stderr, flush=True)
-    result = run_benchmark(workload, spec, mode=args.mode, time_scale=args.time_scale,
-                           progress=progress)
+    label = "SMOKE TEST (--quick): " if args.quick else ""
+    print(f"{label}april-slime bench {workload.name} ({args.mode}) on {spec.model}, "
+          f"{spec.num_engines} engines x {spec.gpus_per_engine} GPUs", file=sys.stderr, flush=True)
+    bar = _Bar(len(plan(workload)) * workload.steps)
+    try:
+        result = run_benchmark(workload, spec, mode=args.mode, time_scale=args.time_scale,
+                               progress=bar)
+    finally:
+        bar.close()
+    if args.quick:
+        print(f"SMOKE TEST (--quick): {workload.steps} steps of {workload.samples_per_step} samples; "
+              f"the buffer never reaches a steady state, so these numbers check that the path runs "
+              f"and are not results.")
+    for note in notes:
+        print(note)
     print(format_table(result))
     for line in headline(result):
         print(line)
-    print(f"(steady state over steps {workload.warmup_steps + 1}..{workload.steps}; "
-          f"{result.wall_s:.1f} s wall)")
+    print(f"({result.wall_s:.1f} s wall)")
+    output = result.to_json()
+    if args.band:
+        from .band import headline_variants, run_band
+
+        band = run_band(workload, spec, headline_variants(workload, spec), jobs=args.jobs)
+        print()
+        print(format_band(band))
+        output["band"] = band
     if args.json:
         directory = os.path.dirname(os.path.abspath(args.json))
         os.makedirs(directory, exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(result.to_json(), fh, indent=2)
+            json.dump(output, fh, indent=2)
     if args.plot:
         plot(result, args.plot)
     return 0

@@ -11,20 +11,20 @@ from .runner import BenchResult
 # ============================================================================ reporting
 _COLUMNS = [
     ("policy", "{}", None),
+    ("steps/h", "{:.2f}", "steps_per_hour"),
+    ("rollout s", "{:.1f}", "rollout_s_per_step"),
+    ("train s", "{:.1f}", "train_s_per_step"),
     ("tok/s", "{:,.0f}", "throughput_tokens_per_s"),
     ("util", "{:.1%}", "utilization"),
     ("util mix", "{:.1%}", "utilization_token_mix"),
-    ("steps/h", "{:.1f}", "steps_per_hour"),
-    ("rollout s", "{:.1f}", "rollout_s_per_step"),
     ("bubble", "{:.1%}", "bubble_fraction"),
-    ("idle", "{:.1%}", "idle_fraction"),
     ("off-policy", "{:.1%}", "offpolicy_token_fraction"),
     ("stale mean", "{:.2f}", "mean_staleness"),
     ("stale max", "{}", "max_staleness"),
     ("recomputed", "{:,}", "recomputed_tokens"),
-    ("retract", "{:,}", "retractions"),
     ("discarded", "{:,}", "discarded_tokens"),
     ("N'", "{}", "concurrency_final"),
+    ("warm-up", "{}", "warmup_label"),
 ]
 
 
@@ -33,7 +33,10 @@ def format_table(result: BenchResult) -> str:
     for label, s in result.summaries.items():
         row = []
         for _, fmt, key in _COLUMNS:
-            value = label if key is None else s.get(key)
+            if key == "warmup_label":
+                value = f"{s['warmup_steps']}" + ("" if s["stationary"] else " (not stationary)")
+            else:
+                value = label if key is None else s.get(key)
             row.append("-" if value is None else fmt.format(value))
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -57,15 +60,17 @@ def headline(result: BenchResult) -> list[str]:
                    f"hit the budget")
 
     def ratio(a: str, b: str, what: str) -> None:
-        if a in s and b in s and s[b]["throughput_tokens_per_s"] > 0:
-            r = s[a]["throughput_tokens_per_s"] / s[b]["throughput_tokens_per_s"]
-            out.append(f"{what}: {r:.2f}x (off-policy tokens {s[a]['offpolicy_token_fraction']:.1%} "
-                       f"vs {s[b]['offpolicy_token_fraction']:.1%})")
+        if a in s and b in s and s[b]["steps_per_hour"] > 0 and s[b]["throughput_tokens_per_s"] > 0:
+            r = s[a]["steps_per_hour"] / s[b]["steps_per_hour"]
+            t = s[a]["throughput_tokens_per_s"] / s[b]["throughput_tokens_per_s"]
+            out.append(f"{what}: {r:.2f}x steps/h, end to end (rollout tok/s {t:.2f}x; off-policy "
+                       f"tokens {s[a]['offpolicy_token_fraction']:.1%} vs "
+                       f"{s[b]['offpolicy_token_fraction']:.1%})")
 
     if w.sweep == "none":
         for p in ("april", "copris", "copris-adaptive"):
-            ratio(p, "sync", f"{p} / sync throughput")
-        ratio("copris", "april", "copris / april throughput")
+            ratio(p, "sync", f"{p} / sync")
+        ratio("copris", "april", "copris / april")
     elif w.sweep == "context":
         for value in w.sweep_values:
             k = f"{int(value) // 1024}k"
@@ -82,7 +87,33 @@ def headline(result: BenchResult) -> list[str]:
                            f"{a['throughput_tokens_per_s'] / fixed[best]['throughput_tokens_per_s']:.1%}"
                            f" of the best fixed N' (final N' {a['concurrency_final']}, "
                            f"mean {a['concurrency_mean']:.0f})")
+    unsteady = [k for k, v in s.items() if not v["stationary"]]
+    warm = ", ".join(f"{k} {v['warmup_steps']}" for k, v in s.items())
+    out.append(f"steady state: steps left out until the buffer's age distribution is stationary "
+               f"(MSER): {warm}")
+    if unsteady:
+        out.append(f"NOT STATIONARY by the end of the run: {', '.join(unsteady)} (buffer still "
+                   f"trending over the second half; run more steps)")
     return out
+
+
+def format_band(band: dict) -> str:
+    """The headline table: steps/h (end to end, steady state) with its band over the variants,
+    the ratio to sync with its band, and the secondary columns of the nominal run."""
+    rows = [["policy", "steps/h", "band", "vs sync", "band", "rollout tok/s", "util", "off-policy"]]
+    for policy, b in band["policies"].items():
+        rows.append([
+            policy, f"{b['steps_per_hour']:.2f}",
+            f"{b['steps_per_hour_min']:.2f}-{b['steps_per_hour_max']:.2f}",
+            f"{b['ratio_to_sync']:.2f}x", f"{b['ratio_to_sync_min']:.2f}-{b['ratio_to_sync_max']:.2f}x",
+            f"{b['throughput_tokens_per_s']:,.0f}", f"{b['utilization']:.1%}",
+            f"{b['offpolicy_token_fraction']:.1%}"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("band: min-max over " + ", ".join(v["name"] for v in band["variants"]))
+    return "\n".join(lines)
 
 
 def plot(result: BenchResult, path: str) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
@@ -32,6 +34,11 @@ class StepRecord:
     metrics: dict[str, float]  # the scheduler's april/* metrics of the step
     tracked_tokens: int = 0  # tokens generated in the step, counted per trajectory
     context_token_sum: float = 0.0  # sum over those tokens of the context they were decoded at
+    # The buffer after the step (before the weight update): response tokens it holds and their
+    # token-weighted mean age in weight versions once the next version is live. Its stationarity
+    # is what ends the warm-up (``detect_warmup``).
+    buffer_tokens: int = 0
+    buffer_age_mean: float = 0.0
 
 
 @dataclass
@@ -45,10 +52,18 @@ class PolicyRun:
     timeline: dict[str, list[float]]  # sampled loads: t, running, waiting, kv_used (cluster sums)
     capacity_tokens: int  # cluster KV capacity
     num_engines: int
-    steady_stats: dict[str, float]  # emulator counters over the steady-state steps
-    warmup_steps: int
+    counters: list[dict[str, float]]  # emulator counter totals at the start of every step, and at the end
+    warmup_steps: int  # steps left out of the summary (detected; at least workload.warmup_steps)
     concurrency_history: list[tuple[float, int, str]]
     wall_s: float
+    stationary: bool = True  # False: the buffer was still filling at the end of the run
+
+
+    @property
+    def steady_stats(self) -> dict[str, float]:
+        """Emulator counters over the steady-state steps."""
+        a, b = self.counters[self.warmup_steps], self.counters[-1]
+        return {k: b[k] - a[k] for k in _STAT_KEYS}
 
 
 def _policy_config(policy: str, workload: Workload, concurrency: int | None,
@@ -58,6 +73,10 @@ def _policy_config(policy: str, workload: Workload, concurrency: int | None,
         "over_sampling_factor": over_sampling_factor,
         "max_staleness": workload.max_staleness,
     }
+    if policy == "sync-oversample":
+        # slime's baseline under dynamic sampling (APRIL's DAPO arm): over-sample, abort at the
+        # target, and throw the partials away (nothing survives to the next step).
+        values.update(policy="april", max_staleness=0, stale_action="drop", return_surplus=False)
     if policy == "copris":
         values["concurrency"] = concurrency or workload.copris_concurrency()
     if policy == "copris-adaptive":
@@ -72,17 +91,87 @@ _STAT_KEYS = ("busy_s", "generated_tokens", "decoded_tokens", "prefill_tokens", 
               "retractions", "finished_requests", "aborted_requests")
 
 
-async def _cluster_stats(transport: Any, router_url: str) -> dict[str, Any]:
+async def _cluster_counters(transport: Any, router_url: str) -> dict[str, float]:
     reply = await transport.request("GET", router_url, "/emulator/stats", None, 60.0)
-    engines = reply["engines"]
-    totals = {k: float(sum(e[k] for e in engines)) for k in _STAT_KEYS}
-    return {"totals": totals, "engines": engines}
+    return {k: float(sum(e[k] for e in reply["engines"])) for k in _STAT_KEYS}
+
+
+def _buffer_age(groups: Sequence[Group], next_version: int) -> tuple[int, float]:
+    """Response tokens held in the buffer and their token-weighted mean age (versions behind
+    ``next_version``), from each trajectory's version runs."""
+    tokens = 0
+    age_sum = 0.0
+    for group in groups:
+        for t in group.trajectories:
+            n = t.response_length
+            runs = t.version_runs
+            for i, (start, version) in enumerate(runs):
+                end = runs[i + 1][0] if i + 1 < len(runs) else n
+                tokens += end - start
+                age_sum += (end - start) * (next_version - version)
+    return tokens, (age_sum / tokens if tokens else 0.0)
+
+
+def detect_warmup(steps: Sequence[StepRecord], minimum: int = 1) -> tuple[int, bool]:
+    """Steps to leave out before the buffer's age distribution is stationary.
+
+    MSER (White's marginal standard error rule, the usual truncation rule for simulation output):
+    for each series x - the tokens the buffer holds after a step, and their mean age - the
+    truncation point d minimises the standard error of the mean of what is left,
+    sum_{j >= d} (x_j - mean_{>= d})^2 / (n - d)^2, searched over d <= n / 2. The warm-up is the
+    larger of the two, and at least ``minimum``. Returns (warm-up, stationary): not stationary
+    when a series still trends over the second half (its two quarters differ by more than 25%,
+    or by more than 0.5 versions of age), i.e. the run is too short to measure a steady state.
+    """
+    n = len(steps)
+    if n <= minimum + 1:
+        return min(minimum, max(0, n - 1)), False
+    warmup = minimum
+    stationary = True
+    for series, tolerance in (([s.buffer_tokens for s in steps], None),
+                              ([s.buffer_age_mean for s in steps], 0.5)):
+        x = np.asarray(series, dtype=float)
+        best, best_d = math.inf, minimum
+        for d in range(minimum, max(minimum, n // 2) + 1):
+            tail = x[d:]
+            if tail.size < 2:
+                break
+            score = float(((tail - tail.mean()) ** 2).sum()) / tail.size ** 2
+            if score < best - 1e-12 * max(1.0, best):
+                best, best_d = score, d
+        warmup = max(warmup, best_d)
+        half = x[n // 2:]
+        if half.size < 4:
+            stationary = False  # too short to tell a steady state from a trend
+        else:
+            q1, q2 = half[: half.size // 2].mean(), half[half.size // 2:].mean()
+            scale = max(abs(q1), abs(q2))
+            if tolerance is None:
+                if scale > 0 and abs(q2 - q1) > 0.25 * scale:
+                    stationary = False
+            elif abs(q2 - q1) > tolerance:
+                stationary = False
+    return min(warmup, n - 1), stationary
+
+
+def _group_filter(workload: Workload):
+    """DAPO's dynamic sampling, emulated: a group passes (mixed rewards) with probability
+    ``filter_keep_fraction``, decided by a hash of its uid so every policy sees the same groups."""
+    keep = workload.filter_keep_fraction
+    if keep >= 1.0:
+        return None
+
+    def passes(group: Group) -> bool:
+        digest = hashlib.blake2b(f"{workload.seed}:{group.uid}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") / 2.0 ** 64 < keep
+
+    return passes
 
 
 async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSpec, *,
                      mode: str = "virtual", time_scale: float = 1.0,
                      concurrency: int | None = None, over_sampling_factor: float | None = None,
-                     max_response_len: int | None = None) -> PolicyRun:
+                     max_response_len: int | None = None, on_step=None) -> PolicyRun:
     """Run one policy for ``workload.steps`` rollout + training steps on a fresh emulated cluster,
     inside the running event loop (virtual: the caller runs this under ``run_virtual``)."""
     if mode not in MODES:
@@ -122,6 +211,7 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
             config, client, buffer, rollout_batch_size=workload.rollout_batch_size,
             n_samples_per_prompt=workload.n_samples_per_prompt,
             sampling_params={"temperature": 1.0, "top_p": 1.0}, controller=controller,
+            group_filter=_group_filter(workload),
             load_poll_interval_s=workload.load_poll_interval_s / scale,
             abort_retry_interval_s=1.0 / scale)
         prompts = SyntheticPrompts(workload.prompt_len, workload.n_samples_per_prompt, budget,
@@ -139,11 +229,10 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
 
         sampler = asyncio.get_running_loop().create_task(sample_loads())
         records: list[StepRecord] = []
-        stats_start = None
+        counters: list[dict[str, float]] = []
         version = 0
         for index in range(workload.steps):
-            if index == workload.warmup_steps:
-                stats_start = await _cluster_stats(transport, cluster.router_url)
+            counters.append(await _cluster_counters(transport, cluster.router_url))
             start = cluster.now()
             before = {t.uid: t.response_length for g in buffer.groups() for t in g.trajectories}
             result = await scheduler.run_step(prompts, version)
@@ -152,16 +241,19 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
             trained = sum(len(t.prompt_ids) + t.response_length
                           for g in result.groups for t in g.trajectories)
             train_s = spec.train_time(trained)
+            held, age = _buffer_age(buffer.groups(), version + 1)
             records.append(StepRecord(index, version, start, rollout_s, train_s, result.metrics,
-                                      tracked, context_sum))
+                                      tracked, context_sum, held, age))
             if index == workload.steps - 1:
-                stats_end = await _cluster_stats(transport, cluster.router_url)
+                counters.append(await _cluster_counters(transport, cluster.router_url))
+            if on_step is not None:
+                on_step(records[-1])
             # Colocated training: engines hold their state and idle, then get the new weights.
             await asyncio.sleep(train_s / scale)
             version += 1
             await transport.request("POST", cluster.router_url, "/update_weight_version",
                                     {"new_version": str(version)}, 60.0)
-        steady = {k: stats_end["totals"][k] - stats_start["totals"][k] for k in _STAT_KEYS}
+        warmup, stationary = detect_warmup(records, workload.warmup_steps)
         return PolicyRun(
             label=label, policy=policy,
             settings={"max_response_len": budget, "over_sampling_factor": factor,
@@ -170,7 +262,8 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
                                       if policy.startswith("copris") else None),
                       "mode": mode, "time_scale": scale},
             steps=records, timeline=timeline, capacity_tokens=spec.kv_capacity() * spec.num_engines,
-            num_engines=spec.num_engines, steady_stats=steady, warmup_steps=workload.warmup_steps,
+            num_engines=spec.num_engines, counters=counters, warmup_steps=warmup,
+            stationary=stationary,
             concurrency_history=list(controller.history) if controller is not None else [],
             wall_s=time.perf_counter() - wall0)
     finally:
@@ -261,6 +354,8 @@ def summarize(run: PolicyRun, ideal_tokens_per_s: float, spec: EngineSpec | None
     mean_context = sum(s.context_token_sum for s in steps) / tracked if tracked else 0.0
     mix_ideal = mix_ideal_throughput(spec, mean_context) if spec is not None else 0.0
     return {
+        "warmup_steps": run.warmup_steps,
+        "stationary": run.stationary,
         "throughput_tokens_per_s": throughput,
         "utilization": throughput / ideal_tokens_per_s if ideal_tokens_per_s > 0 else 0.0,
         "offpolicy_token_fraction": offpolicy / returned if returned else 0.0,
@@ -357,23 +452,34 @@ class BenchResult:
         return {"workload": w, "results": self.summaries}
 
 
+class Progress:
+    """What a long run reports as it goes (the CLI draws a tqdm bar from it); no-ops here."""
+
+    def step(self, label: str, record: StepRecord) -> None:
+        pass
+
+    def run_done(self, run: PolicyRun) -> None:
+        pass
+
+
 async def _run_all(workload: Workload, spec: EngineSpec, mode: str, time_scale: float,
-                   points: list[RunPoint], progress) -> list[PolicyRun]:
+                   points: list[RunPoint], progress: Progress) -> list[PolicyRun]:
     runs = []
     for point in points:
         run = await run_policy(point.label, point.policy, workload, spec, mode=mode,
                                time_scale=time_scale, concurrency=point.concurrency,
                                over_sampling_factor=point.over_sampling_factor,
-                               max_response_len=point.max_response_len)
+                               max_response_len=point.max_response_len,
+                               on_step=lambda record, label=point.label: progress.step(label, record))
         runs.append(run)
-        if progress is not None:
-            progress(run)
+        progress.run_done(run)
     return runs
 
 
 def run_benchmark(workload: Workload, spec: EngineSpec, *, mode: str = "virtual",
-                  time_scale: float = 1.0, progress=None) -> BenchResult:
+                  time_scale: float = 1.0, progress: Progress | None = None) -> BenchResult:
     """Run every point of the workload (each on a fresh cluster) and summarise."""
+    progress = progress or Progress()
     wall0 = time.perf_counter()
     points = plan(workload)
     budgets = sorted({p.max_response_len or workload.max_response_len for p in points})

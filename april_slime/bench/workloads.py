@@ -14,7 +14,9 @@ from april_slime.types import Group, Trajectory
 
 from .spec import EngineSpec
 
-POLICIES = ("sync", "april", "copris", "copris-adaptive")
+# ``sync-oversample``: slime's baseline under a dynamic-sampling filter (APRIL's DAPO arm):
+# over-sample, abort at the target, discard the partials.
+POLICIES = ("sync", "april", "copris", "copris-adaptive", "sync-oversample")
 MODES = ("virtual", "http")
 
 
@@ -32,18 +34,21 @@ class Workload:
     rollout_batch_size: int = 32
     n_samples_per_prompt: int = 8
     steps: int = 6
-    # Steps left out of the summary while the buffer fills: at least the first (empty buffer).
-    # A partial-rollout policy needs about (longest response / tokens per step and sample) steps
-    # before its buffer holds a steady mix; over a shorter window it parks the expensive late
-    # tokens of long responses and its throughput looks better than it is.
+    # The fewest steps left out of the summary (the first starts from an empty buffer). The
+    # warm-up actually used is detected per run: until the buffer's age distribution is
+    # stationary (``runner.detect_warmup``) a partial-rollout policy has generated the cheap early
+    # tokens of long responses and parked the expensive late ones, and looks better than it is.
     warmup_steps: int = 1
-    policies: tuple[str, ...] = POLICIES
+    policies: tuple[str, ...] = ("sync", "april", "copris", "copris-adaptive")
     concurrency: int | None = None  # copris N'; None: 2 x rollout_batch_size x n_samples_per_prompt
     over_sampling_factor: float = 2.0
     max_staleness: int | None = None
     sweep: str = "none"
     sweep_values: tuple[float, ...] = ()
     seed: int = 0
+    # DAPO's dynamic sampling: share of groups with mixed rewards (the rest are filtered out and
+    # replaced); 1 = no filter (GRPO).
+    filter_keep_fraction: float = 1.0
     load_poll_interval_s: float = 2.0  # emulated seconds between /v1/loads reads (controller)
     timeline_interval_s: float = 1.0  # emulated seconds between load samples for the figure
 
@@ -61,6 +66,8 @@ class Workload:
             raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
         if self.sweep not in ("none", "context", "concurrency", "oversampling"):
             raise ValueError(f"unknown sweep {self.sweep!r}")
+        if not 0.0 < self.filter_keep_fraction <= 1.0:
+            raise ValueError(f"workload filter_keep_fraction must be in (0, 1], got {self.filter_keep_fraction}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"workload concurrency must be >= 1, got {self.concurrency}")
 
@@ -77,10 +84,12 @@ class Workload:
 
 
 WORKLOADS: dict[str, Workload] = {
-    "dapo16k": Workload(name="dapo16k", steps=10),
+    # APRIL's setup (Qwen3-4B, 8 GPUs, DAPO-Math, 32 x 8, 16K, over-sampling 64): the headline.
+    # 30 steps: the warm-up detector needs a second half to compare against.
+    "dapo16k": Workload(name="dapo16k", steps=30),
     # CoPRIS fig. 3a ran Qwen3-8B from 8K to 40K; same length law, only the budget changes, so the
     # tail (and the runaway samples that hit the budget) grows with the context.
-    "context-sweep": Workload(name="context-sweep", preset="h100-qwen3-8b", steps=12, warmup_steps=4,
+    "context-sweep": Workload(name="context-sweep", preset="h100-qwen3-8b", steps=24, warmup_steps=2,
                               policies=("sync", "april", "copris"), sweep="context",
                               sweep_values=(8192, 16384, 32768, 40960)),
     # CoPRIS table 2 analogue: fixed N' from half a batch to 8 batches, plus the controller.
@@ -92,7 +101,8 @@ WORKLOADS: dict[str, Workload] = {
                                    sweep="oversampling", sweep_values=(1.0, 1.5, 2.0, 3.0, 4.0)),
 }
 
-# --quick: the same shapes, fewer steps, prompts and sweep points (< 60 s on 2 cores).
+# --quick: a smoke test of the same shapes - fewer steps, prompts and sweep points; its numbers
+# are not a steady state (the output says so).
 QUICK: dict[str, dict[str, Any]] = {
     "dapo16k": dict(steps=3, warmup_steps=1, rollout_batch_size=8),
     "context-sweep": dict(steps=2, warmup_steps=1, rollout_batch_size=8, sweep_values=(8192, 40960)),
