@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(spec.describe(), indent=2))
         return 0
 
+    if args.band:
+        return _main_band(args, workload, spec)
     label = "SMOKE TEST (--quick): " if args.quick else ""
     print(f"{label}april-slime bench {workload.name} ({args.mode}) on {spec.model}, "
           f"{spec.num_engines} engines x {spec.gpus_per_engine} GPUs", file=sys.stderr, flush=True)
@@ -243,22 +245,40 @@ def main(argv: list[str] | None = None) -> int:
     for line in headline(result):
         print(line)
     print(f"({result.wall_s:.1f} s wall)")
-    output = result.to_json()
-    if args.band:
-        from .band import headline_variants, run_band
-
-        band = run_band(workload, spec, headline_variants(workload, spec), jobs=args.jobs)
-        print()
-        print(format_band(band))
-        output["band"] = band
     if args.json:
-        directory = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(directory, exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(output, fh, indent=2)
+        _write_json(args.json, result.to_json())
     if args.plot:
         plot(result, args.plot)
     return 0
+
+
+def _main_band(args: argparse.Namespace, workload: Workload, spec: EngineSpec) -> int:
+    """--band: every (variant, policy) on a fresh cluster, in --jobs processes; the nominal
+    variant is the headline run, so nothing runs twice."""
+    from .band import headline_variants, run_band
+
+    if workload.sweep != "none":
+        print("april-slime bench: --band runs a policy workload (dapo16k), not a sweep",
+              file=sys.stderr)
+        return 2
+    variants = headline_variants(workload, spec)
+    print(f"april-slime bench {workload.name} --band: {len(variants)} variants x "
+          f"{len(workload.policies)} policies x {workload.steps} steps in {args.jobs} processes",
+          file=sys.stderr, flush=True)
+    band = run_band(workload, spec, variants, jobs=args.jobs)
+    print(format_band(band))
+    if args.json:
+        from dataclasses import asdict
+
+        _write_json(args.json, {"workload": asdict(workload), "engine": spec.describe(), "band": band})
+    return 0
+
+
+def _write_json(path: str, data: Any) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2)
 
 
 if __name__ == "__main__":

@@ -364,6 +364,8 @@ def summarize(run: PolicyRun, ideal_tokens_per_s: float, spec: EngineSpec | None
         "discarded_tokens": int(discarded),
         "mean_staleness": staleness_sum / trajectories if trajectories else 0.0,
         "steps_per_hour": 3600.0 / step_s if step_s > 0 else 0.0,
+        # from the cold start, every step counted (CoPRIS fig. 3a averages its first 50 steps)
+        "steps_per_hour_all": 3600.0 * len(run.steps) / sum(s.rollout_s + s.train_s for s in run.steps),
         "rollout_s_per_step": rollout_s / len(steps),
         "train_s_per_step": sum(s.train_s for s in steps) / len(steps),
         "effective_throughput_tokens_per_s": returned / rollout_s if rollout_s > 0 else 0.0,
