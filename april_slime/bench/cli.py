@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the workload over seeds and the uncertain inputs (length tail, "
                         "per-step overhead) and print steps/h with its band (7 variants)")
     p.add_argument("--jobs", type=int, default=1,
-                   help="--band: processes to run variants in (default 1)")
+                   help="virtual mode: processes to run the runs (sweep points, --band variants) in "
+                        "(default 1)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a workload or engine-spec field, e.g. --set concurrency=768 "
                         "--set mem_fraction_static=0.8 --set decode_per_kv_token=3e-8")
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     bar = _Bar(len(plan(workload)) * workload.steps)
     try:
         result = run_benchmark(workload, spec, mode=args.mode, time_scale=args.time_scale,
-                               progress=bar)
+                               progress=bar, jobs=args.jobs)
     finally:
         bar.close()
     if args.quick:

@@ -173,9 +173,9 @@ def reproduce(table: list[Row], jobs: int = 1) -> list[dict[str, Any]]:
 
 # The fit: each length law's median_tokens is chosen, from these candidates, on its fit row.
 FIT_CANDIDATES: dict[str, tuple[float, ...]] = {
-    "dapo-math-qwen3-4b-16k": (2500.0, 3500.0, 5000.0, 7000.0),
-    "deepscaler-qwen3-8b": (2500.0, 3500.0, 5000.0, 7000.0),
-    "deepscaler-r1-distill": (2500.0, 3500.0, 4500.0, 6500.0),
+    "dapo-math-qwen3-4b-16k": (6000.0, 7000.0, 8500.0, 10000.0, 12000.0),
+    "deepscaler-qwen3-8b": (6000.0, 7000.0, 8500.0, 10000.0, 12000.0),
+    "deepscaler-r1-distill": (4000.0, 4500.0, 5000.0),
 }
 _FIT_ROW_LAW = {
     "APRIL Qwen3-4B GRPO DAPO-Math: april / sync rollout tok/s": "dapo-math-qwen3-4b-16k",

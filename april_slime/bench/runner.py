@@ -478,9 +478,16 @@ async def _run_all(workload: Workload, spec: EngineSpec, mode: str, time_scale: 
     return runs
 
 
+def _run_point(job: tuple[Workload, EngineSpec, RunPoint]) -> PolicyRun:
+    workload, spec, point = job
+    return run_virtual(_run_all(workload, spec, "virtual", 1.0, [point], Progress()))[0]
+
+
 def run_benchmark(workload: Workload, spec: EngineSpec, *, mode: str = "virtual",
-                  time_scale: float = 1.0, progress: Progress | None = None) -> BenchResult:
-    """Run every point of the workload (each on a fresh cluster) and summarise."""
+                  time_scale: float = 1.0, progress: Progress | None = None,
+                  jobs: int = 1) -> BenchResult:
+    """Run every point of the workload (each on a fresh cluster; virtual mode: in ``jobs``
+    processes) and summarise."""
     progress = progress or Progress()
     wall0 = time.perf_counter()
     points = plan(workload)
@@ -488,7 +495,13 @@ def run_benchmark(workload: Workload, spec: EngineSpec, *, mode: str = "virtual"
     lengths = {b: length_stats(workload, b) for b in budgets}
     ideal = {b: ideal_throughput(spec, replace(workload, max_response_len=b), lengths[b])
              for b in budgets}
-    if mode == "virtual":
+    if mode == "virtual" and jobs > 1 and len(points) > 1:
+        from .band import run_jobs
+
+        runs = run_jobs(_run_point, [(workload, spec, p) for p in points], jobs)
+        for run in runs:
+            progress.run_done(run)
+    elif mode == "virtual":
         runs = run_virtual(_run_all(workload, spec, mode, 1.0, points, progress))
     elif mode == "http":
         runs = asyncio.run(_run_all(workload, spec, mode, time_scale, points, progress))
