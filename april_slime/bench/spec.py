@@ -93,6 +93,7 @@ class EngineSpec:
     decode_per_kv_token: float | None = None
     prefill_t0: float | None = None
     prefill_per_token: float | None = None
+    prefill_per_token_pair: float | None = None
     kv_capacity_tokens: int | None = None
     source: str = ""  # where a measured spec came from (``april-slime calibrate``)
 
@@ -171,7 +172,8 @@ class EngineSpec:
             # a measured decode cost already contains the matmuls: no roofline term on top
             decode_flops_per_request=0.0 if measured else 2 * self.params / (flops * self.decode_flops_efficiency),
             decode_overlap_s=0.0 if measured else weight_read,
-            prefill_per_token_pair=attention_flops_per_pair / (flops * self.prefill_flops_efficiency),
+            prefill_per_token_pair=(float(self.prefill_per_token_pair) if self.prefill_per_token_pair is not None
+                                    else attention_flops_per_pair / (flops * self.prefill_flops_efficiency)),
             graph_max_batch=float(self.graph_max_batch()),
             eager_step_extra_s=self.eager_step_extra_s,
         )
