@@ -173,9 +173,9 @@ def reproduce(table: list[Row], jobs: int = 1) -> list[dict[str, Any]]:
 
 # The fit: each length law's median_tokens is chosen, from these candidates, on its fit row.
 FIT_CANDIDATES: dict[str, tuple[float, ...]] = {
-    "dapo-math-qwen3-4b-16k": (6000.0, 7000.0, 8500.0, 10000.0, 12000.0),
+    "dapo-math-qwen3-4b-16k": (4000.0, 6000.0, 8000.0, 10000.0, 12000.0),
     "deepscaler-qwen3-8b": (6000.0, 7000.0, 8500.0, 10000.0, 12000.0),
-    "deepscaler-r1-distill": (4000.0, 4500.0, 5000.0),
+    "deepscaler-r1-distill": (3500.0, 4500.0, 5500.0),
 }
 _FIT_ROW_LAW = {
     "APRIL Qwen3-4B GRPO DAPO-Math: april / sync rollout tok/s": "dapo-math-qwen3-4b-16k",
@@ -184,10 +184,12 @@ _FIT_ROW_LAW = {
 }
 
 
-def fit(jobs: int = 1, steps_scale: float = 1.0) -> dict[str, Any]:
+def fit(jobs: int = 1, steps_scale: float = 1.0, laws: list[str] | None = None) -> dict[str, Any]:
     """Every fit row at every candidate median of its law, in one pool; the best per law."""
     table: list[Row] = []
     for law, candidates in FIT_CANDIDATES.items():
+        if laws is not None and law not in laws:
+            continue
         for median in candidates:
             for row in rows(steps_scale, {law: median}):
                 if _FIT_ROW_LAW.get(row.name) == law:
@@ -229,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the rows whose name contains TEXT")
     p.add_argument("--steps-scale", type=float, default=1.0,
                    help="multiply every run's steps (at least 4); < 1 for a quick look")
+    p.add_argument("--medians", default=None, metavar="LAW=TOKENS,...",
+                   help="replace length laws' median_tokens (e.g. the values --fit just found)")
+    p.add_argument("--laws", default=None, metavar="LAW,...", help="--fit: only these length laws")
     p.add_argument("--fit", action="store_true",
                    help="grid-search each length law's median_tokens on its fit row and print the "
                         "best (what docs/calibration/fit.json records)")
@@ -236,18 +241,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1 or not args.steps_scale > 0:
         print("april-slime bench reproduce: --jobs must be >= 1 and --steps-scale > 0", file=sys.stderr)
         return 2
+    medians: dict[str, float] = {}
+    try:
+        for item in filter(None, (args.medians or "").split(",")):
+            law, _, value = item.partition("=")
+            medians[law.strip()] = float(value)
+    except ValueError:
+        print(f"april-slime bench reproduce: --medians {args.medians!r}: expected LAW=TOKENS,...",
+              file=sys.stderr)
+        return 2
     if args.fit:
-        found = fit(args.jobs, args.steps_scale)
+        laws = [x.strip() for x in args.laws.split(",")] if args.laws else None
+        found = fit(args.jobs, args.steps_scale, laws)
         print(format_rows(found["grid"]))
         for law, b in found["best"].items():
             print(f"{law}: median_tokens {b['median_tokens']:g} -> {b['emulated']:.2f}x vs "
                   f"{b['published']:.2f}x ({b['difference']:+.1%})")
+        print("MEDIANS " + ",".join(f"{law}={b['median_tokens']:g}" for law, b in found["best"].items()))
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w", encoding="utf-8") as fh:
                 json.dump(found, fh, indent=2)
         return 0
-    table = rows(args.steps_scale)
+    table = rows(args.steps_scale, medians)
     if args.only:
         table = [r for r in table if args.only.lower() in r.name.lower()]
         if not table:

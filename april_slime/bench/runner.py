@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import math
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
@@ -131,13 +130,14 @@ def detect_warmup(steps: Sequence[StepRecord], minimum: int = 1) -> tuple[int, b
     for series, tolerance in (([s.buffer_tokens for s in steps], None),
                               ([s.buffer_age_mean for s in steps], 0.5)):
         x = np.asarray(series, dtype=float)
-        best, best_d = math.inf, minimum
+        best: float | None = None
+        best_d = minimum
         for d in range(minimum, max(minimum, n // 2) + 1):
             tail = x[d:]
             if tail.size < 2:
                 break
             score = float(((tail - tail.mean()) ** 2).sum()) / tail.size ** 2
-            if score < best - 1e-12 * max(1.0, best):
+            if best is None or score < best * (1.0 - 1e-9):
                 best, best_d = score, d
         warmup = max(warmup, best_d)
         half = x[n // 2:]

@@ -89,7 +89,8 @@ WORKLOADS: dict[str, Workload] = {
     "dapo16k": Workload(name="dapo16k", steps=30),
     # CoPRIS fig. 3a ran Qwen3-8B from 8K to 40K; same length law, only the budget changes, so the
     # tail (and the runaway samples that hit the budget) grows with the context.
-    "context-sweep": Workload(name="context-sweep", preset="h100-qwen3-8b", steps=24, warmup_steps=2,
+    "context-sweep": Workload(name="context-sweep", preset="h100-qwen3-8b", length="deepscaler-qwen3-8b",
+                              steps=20, warmup_steps=2,
                               policies=("sync", "april", "copris"), sweep="context",
                               sweep_values=(8192, 16384, 32768, 40960)),
     # CoPRIS table 2 analogue: fixed N' from half a batch to 8 batches, plus the controller.
