@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
@@ -119,8 +120,9 @@ def detect_warmup(steps: Sequence[StepRecord], minimum: int = 1) -> tuple[int, b
     truncation point d minimises the standard error of the mean of what is left,
     sum_{j >= d} (x_j - mean_{>= d})^2 / (n - d)^2, searched over d <= n / 2. The warm-up is the
     larger of the two, and at least ``minimum``. Returns (warm-up, stationary): not stationary
-    when a series still trends over the second half (its two quarters differ by more than 25%,
-    or by more than 0.5 versions of age), i.e. the run is too short to measure a steady state.
+    when a series still trends over the second half: its last two quarters differ by more than
+    twice the standard error of that difference *and* by a material amount (10% of the tokens, 0.5
+    versions of age), i.e. the run is too short to measure a steady state.
     """
     n = len(steps)
     if n <= minimum + 1:
@@ -144,12 +146,12 @@ def detect_warmup(steps: Sequence[StepRecord], minimum: int = 1) -> tuple[int, b
         if half.size < 4:
             stationary = False  # too short to tell a steady state from a trend
         else:
-            q1, q2 = half[: half.size // 2].mean(), half[half.size // 2:].mean()
-            scale = max(abs(q1), abs(q2))
-            if tolerance is None:
-                if scale > 0 and abs(q2 - q1) > 0.25 * scale:
-                    stationary = False
-            elif abs(q2 - q1) > tolerance:
+            a, b = half[: half.size // 2], half[half.size // 2:]
+            diff = abs(b.mean() - a.mean())
+            noise = 2.0 * math.sqrt(a.var(ddof=1) / a.size + b.var(ddof=1) / b.size)
+            scale = max(abs(a.mean()), abs(b.mean()))
+            material = diff > tolerance if tolerance is not None else diff > 0.1 * scale
+            if material and diff > noise:
                 stationary = False
     return min(warmup, n - 1), stationary
 

@@ -156,9 +156,9 @@ LENGTH_PRESETS: dict[str, LengthModel] = {
     "default": LengthModel(),
     # DAPO-Math-17k on Qwen3-4B with a 16K response budget: a long tail across prompts and a few
     # percent of samples never stopping. median_tokens is fitted on APRIL's GRPO row (bench
-    # reproduce --fit; docs/calibration/): 10K, longer than APRIL §3.2 describes, see docs/bench.md.
+    # reproduce --fit; docs/calibration/): 8K, longer than APRIL §3.2 describes, see docs/bench.md.
     "dapo-math-qwen3-4b-16k": LengthModel(
-        median_tokens=10000.0, prompt_sigma=0.75, sample_sigma=0.3, shape=3.5,
+        median_tokens=8000.0, prompt_sigma=0.75, sample_sigma=0.3, shape=3.5,
         truncation_fraction=0.06, truncation_prompt_correlation=0.8),
     # DeepScaleR-Preview (AIME/AMC/Omni-MATH/STILL problems) for the reasoning models CoPRIS
     # trained: R1-Distill-Qwen (1.5B/7B) and Qwen3-8B in thinking mode. Same shape of law as
