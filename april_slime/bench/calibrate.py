@@ -223,6 +223,42 @@ def engine_spec(m: dict[str, Any], base_preset: str, name: str | None = None) ->
     return spec
 
 
+def emulated_batch_time(spec: Any, batch: int, prompt_len: int, max_new_tokens: int) -> float:
+    """Seconds the emulator, running ``spec``, takes for a batch like ``_Engine.batch_time``'s."""
+    from april_slime.emulator import EmulatedEngine, SyntheticLM, run_virtual
+
+    async def run() -> float:
+        engine = EmulatedEngine(SyntheticLM(), spec.engine_config())
+        engine.start()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        ids = [3 + (i * 7) % 97 for i in range(prompt_len)]
+        await asyncio.gather(*(engine.generate(f"r{i}", ids, max_new_tokens, i, ignore_eos=True)
+                               for i in range(batch)))
+        elapsed = loop.time() - t0
+        await engine.stop()
+        return elapsed
+
+    return run_virtual(run())
+
+
+async def compare(url: str, spec: Any, shapes: Sequence[tuple[int, int, int]],
+                  timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Real vs emulated time of batches (batch, prompt, new tokens) outside the calibration grid."""
+    engine_url, _ = await _engine_url(url, timeout_s)
+    engine = _Engine(engine_url, timeout_s)
+    try:
+        out = []
+        for batch, prompt_len, new in shapes:
+            real = min([await engine.batch_time(batch, prompt_len, new) for _ in range(2)])
+            emulated = emulated_batch_time(spec, batch, prompt_len, new)
+            out.append({"batch": batch, "prompt_len": prompt_len, "new_tokens": new,
+                        "real_s": real, "emulated_s": emulated, "ratio": emulated / real})
+        return out
+    finally:
+        await engine.close()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="april-slime calibrate",

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from .report import format_band, format_table, headline, plot
 from .runner import PolicyRun, Progress, StepRecord, plan, run_benchmark
 from .spec import ENGINE_PRESETS, EngineSpec
-from .workloads import MODES, POLICIES, QUICK, WORKLOADS, Workload
+from .workloads import MODES, POLICIES, QUICK, QUICK_HTTP, WORKLOADS, Workload
 
 
 # ============================================================================ --set values
@@ -103,6 +103,7 @@ class _Bar(Progress):
         self.total = total_steps
         self.done = 0
         self.last_line = time.monotonic()
+        self.stepped: set[str] = set()  # runs that reported their steps (not those in other processes)
         try:
             from tqdm import tqdm
         except ImportError:
@@ -112,6 +113,7 @@ class _Bar(Progress):
                             mininterval=1.0)
 
     def step(self, label: str, record: StepRecord) -> None:
+        self.stepped.add(label)
         self.done += 1
         text = f"{label} step {record.index + 1}: rollout {record.rollout_s:.0f} s emulated"
         if self.bar is not None:
@@ -123,6 +125,10 @@ class _Bar(Progress):
 
     def run_done(self, run: PolicyRun) -> None:
         line = f"  {run.label}: {len(run.steps)} steps in {run.wall_s:.1f} s wall"
+        if run.label not in self.stepped:
+            self.done += len(run.steps)
+            if self.bar is not None:
+                self.bar.update(len(run.steps))
         if self.bar is not None:
             self.bar.write(line, file=sys.stderr)
         else:
@@ -158,9 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of {','.join(POLICIES)}")
     p.add_argument("--steps", type=int, default=None, help="rollout steps per policy (>= 1)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke test: fewer steps, prompts and sweep points (virtual: under a "
-                        "minute; --mode http: a few minutes); no steady state, so the numbers "
-                        "are not results")
+                   help="smoke test: fewer steps, prompts and sweep points (virtual: about a "
+                        "minute on 2 cores; --mode http: 2 policies x 2 steps of 4 x 8 samples "
+                        "with a 2K budget, 1-2 minutes at --time-scale 1); no steady state, so "
+                        "the numbers are not results")
     p.add_argument("--band", action="store_true",
                    help="also run the workload over seeds and the uncertain inputs (length tail, "
                         "per-step overhead) and print steps/h with its band (7 variants)")
@@ -183,6 +190,8 @@ def _configure(args: argparse.Namespace) -> tuple[Workload, EngineSpec, list[str
     workload = WORKLOADS[args.workload]
     if args.quick:
         workload = replace(workload, **QUICK[workload.name])
+        if args.mode == "http" and workload.sweep == "none":
+            workload = replace(workload, **QUICK_HTTP)
     if args.mode == "http" and not (args.time_scale > 0 and math.isfinite(args.time_scale)):
         raise ValueError(f"--time-scale must be a finite number > 0 (emulated seconds per wall "
                          f"second), got {args.time_scale}")

@@ -222,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="april-slime bench reproduce",
         description="Every published figure we can set up (APRIL, CoPRIS, the verl partial-rollout "
-                    "recipe), published vs emulated. Long: ~30 runs of 16-50 steps (about an "
-                    "hour on one core; use --jobs).")
+                    "recipe), published vs emulated. Long: 24 runs of 16-50 steps (about 1.5 "
+                    "hours of CPU; --jobs 16 took 6 minutes).")
     p.add_argument("--json", default=None, metavar="PATH",
                    help='write {"rows": [{"name", "published", "emulated", "source", ...}]}')
     p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")

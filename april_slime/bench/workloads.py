@@ -104,6 +104,10 @@ WORKLOADS: dict[str, Workload] = {
 
 # --quick: a smoke test of the same shapes - fewer steps, prompts and sweep points; its numbers
 # are not a steady state (the output says so).
+# --quick --mode http runs on the wall clock (emulated seconds / --time-scale): short responses and
+# two policies, so it finishes in about two minutes at the default time scale.
+QUICK_HTTP: dict[str, Any] = dict(steps=2, warmup_steps=1, rollout_batch_size=4,
+                                  max_response_len=2048, policies=("sync", "copris"))
 QUICK: dict[str, dict[str, Any]] = {
     "dapo16k": dict(steps=3, warmup_steps=1, rollout_batch_size=8),
     "context-sweep": dict(steps=2, warmup_steps=1, rollout_batch_size=8, sweep_values=(8192, 40960)),

@@ -5,13 +5,14 @@ started with, measure positive step costs, abort within the ~0.1 s real SGLang t
 spec that ``april-slime bench --engine-spec`` runs. The spec is also what docs/bench.md's
 real-engine comparison uses (``APRIL_CALIBRATE_OUT=path`` keeps it)."""
 
+import asyncio
 import json
 import os
 
 from april_slime.bench import EngineSpec, Workload, run_benchmark
-from april_slime.bench.calibrate import main as calibrate_main
+from april_slime.bench.calibrate import compare, main as calibrate_main
 
-from .conftest import MAX_TOTAL_TOKENS
+from conftest import MAX_TOTAL_TOKENS
 
 
 def test_calibrate_measures_the_real_engine(real_stack, tmp_path, capsys):
@@ -34,3 +35,14 @@ def test_calibrate_measures_the_real_engine(real_stack, tmp_path, capsys):
                  n_samples_per_prompt=2, steps=2, warmup_steps=1, policies=("sync", "copris"))
     result = run_benchmark(w, spec)
     assert all(s["throughput_tokens_per_s"] > 0 for s in result.summaries.values())
+    # the real-engine comparison: batches outside the grid, real vs emulated on this spec
+    shapes = [(2, 64, 24), (6, 128, 24), (12, 32, 16)]
+    rows = asyncio.run(compare(real_stack.router_url, spec, shapes))
+    real_stack.wait_idle()
+    keep = os.environ.get("APRIL_CALIBRATE_COMPARE_OUT")
+    if keep:
+        with open(keep, "w") as fh:
+            json.dump(rows, fh, indent=2)
+    for row in rows:
+        # a shared 2-core machine: a loose bound, the numbers themselves go to docs/bench.md
+        assert 0.3 < row["ratio"] < 3.0, row
