@@ -120,6 +120,17 @@ async def _optional(engine: _Engine, *paths: str) -> Any:
     return None
 
 
+def _context_length(*replies: Any) -> int | None:
+    """The engine's context length, from whichever info reply states it."""
+    for reply in replies:
+        if isinstance(reply, dict):
+            for key in ("context_length", "max_context_length", "max_model_len"):
+                value = reply.get(key)
+                if isinstance(value, int) and value > 0:
+                    return value
+    return None
+
+
 def _fit(rows: Sequence[Sequence[float]], y: Sequence[float]) -> np.ndarray:
     """Least squares with every coefficient >= 0 (drops a column that comes out negative)."""
     a = np.asarray(rows, dtype=float)
@@ -148,6 +159,14 @@ async def measure(url: str, *, batches: Sequence[int] = (1, 4, 8), contexts: Seq
             raise CalibrationError(f"{engine_url}/v1/loads has no max_total_num_tokens: {str(loads)[:200]}")
         capacity = int(per_engine[0]["max_total_num_tokens"])
         max_running = info.get("max_running_requests") if isinstance(info, dict) else None
+        models = await _optional(engine, "/v1/models")  # OpenAI-style: data[0].max_model_len
+        cards = models.get("data") if isinstance(models, dict) else None
+        context_len = _context_length(info, model, *(cards if isinstance(cards, list) else []))
+        longest = max(max(contexts) + decode_tokens, max(prefill_lengths) + 1)
+        if context_len is not None and longest > context_len:
+            raise CalibrationError(f"the grid needs {longest} tokens per request but {engine_url} "
+                                   f"serves a context of {context_len}: lower --contexts / "
+                                   f"--prefill-lengths")
         await engine.generate(16, 2)  # warm-up: first requests pay one-off costs
 
         async def fastest(batch: int, prompt_len: int, new: int) -> float:
@@ -178,7 +197,9 @@ async def measure(url: str, *, batches: Sequence[int] = (1, 4, 8), contexts: Seq
 
         # abort latency: a long request, aborted by rid once it is decoding
         rid = "calibrate-abort-" + uuid.uuid4().hex
-        task = asyncio.ensure_future(engine.generate(16, 100_000 if capacity > 200_000 else capacity // 2, rid))
+        # long enough to still be decoding when the abort lands, within the context and the pool
+        budget = min(capacity // 2, (context_len or 4096) - 32, 100_000)
+        task = asyncio.ensure_future(engine.generate(16, budget, rid))
         await asyncio.sleep(max(0.3, 5 * t0))
         sent = time.perf_counter()
         await engine.post("/abort_request", {"rid": rid})
