@@ -263,21 +263,27 @@ def emulated_batch_time(spec: Any, batch: int, prompt_len: int, max_new_tokens: 
     return run_virtual(run())
 
 
-async def compare(url: str, spec: Any, shapes: Sequence[tuple[int, int, int]],
-                  timeout_s: float = 120.0) -> list[dict[str, Any]]:
-    """Real vs emulated time of batches (batch, prompt, new tokens) outside the calibration grid."""
+async def _real_batch_times(url: str, shapes: Sequence[tuple[int, int, int]], repeats: int,
+                            timeout_s: float) -> list[float]:
     engine_url, _ = await _engine_url(url, timeout_s)
     engine = _Engine(engine_url, timeout_s)
     try:
-        out = []
-        for batch, prompt_len, new in shapes:
-            real = min([await engine.batch_time(batch, prompt_len, new) for _ in range(2)])
-            emulated = emulated_batch_time(spec, batch, prompt_len, new)
-            out.append({"batch": batch, "prompt_len": prompt_len, "new_tokens": new,
-                        "real_s": real, "emulated_s": emulated, "ratio": emulated / real})
-        return out
+        return [min([await engine.batch_time(b, p, n) for _ in range(repeats)]) for b, p, n in shapes]
     finally:
         await engine.close()
+
+
+def compare(url: str, spec: Any, shapes: Sequence[tuple[int, int, int]], repeats: int = 3,
+            timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Real vs emulated time of batches (batch, prompt, new tokens) outside the calibration grid
+    (call it outside an event loop: the emulated side runs on its own virtual clock)."""
+    real = asyncio.run(_real_batch_times(url, shapes, repeats, timeout_s))
+    out = []
+    for (batch, prompt_len, new), real_s in zip(shapes, real):
+        emulated = emulated_batch_time(spec, batch, prompt_len, new)
+        out.append({"batch": batch, "prompt_len": prompt_len, "new_tokens": new,
+                    "real_s": real_s, "emulated_s": emulated, "ratio": emulated / real_s})
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -160,6 +160,11 @@ LENGTH_PRESETS: dict[str, LengthModel] = {
     "dapo-math-qwen3-4b-16k": LengthModel(
         median_tokens=8000.0, prompt_sigma=0.75, sample_sigma=0.3, shape=3.5,
         truncation_fraction=0.06, truncation_prompt_correlation=0.8),
+    # The same law with the median APRIL §3.2 describes ("more than half of the responses end
+    # within a few thousand tokens"): what the fit above would be if the model lacked nothing.
+    "dapo-math-as-described": LengthModel(
+        median_tokens=3500.0, prompt_sigma=0.75, sample_sigma=0.3, shape=3.5,
+        truncation_fraction=0.06, truncation_prompt_correlation=0.8),
     # DeepScaleR-Preview (AIME/AMC/Omni-MATH/STILL problems) for the reasoning models CoPRIS
     # trained: R1-Distill-Qwen (1.5B/7B) and Qwen3-8B in thinking mode. Same shape of law as
     # above (heavy tail across prompts, a few percent never stopping); ``median_tokens`` is the

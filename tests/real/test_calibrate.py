@@ -5,7 +5,6 @@ started with, measure positive step costs, abort within the ~0.1 s real SGLang t
 spec that ``april-slime bench --engine-spec`` runs. The spec is also what docs/bench.md's
 real-engine comparison uses (``APRIL_CALIBRATE_OUT=path`` keeps it)."""
 
-import asyncio
 import json
 import os
 
@@ -19,7 +18,7 @@ def test_calibrate_measures_the_real_engine(real_stack, tmp_path, capsys):
     out = os.environ.get("APRIL_CALIBRATE_OUT") or str(tmp_path / "spec.json")
     rc = calibrate_main(["--url", real_stack.router_url, "--out", out, "--batches", "1,4",
                          "--contexts", "32,256", "--decode-tokens", "9", "--prefill-lengths",
-                         "32,512", "--repeats", "1", "--base-preset", "h100-qwen3-4b"])
+                         "32,512", "--repeats", "3", "--base-preset", "h100-qwen3-4b"])
     assert rc == 0, capsys.readouterr().err
     real_stack.wait_idle()
     spec_json = json.loads(open(out).read())
@@ -37,7 +36,7 @@ def test_calibrate_measures_the_real_engine(real_stack, tmp_path, capsys):
     assert all(s["throughput_tokens_per_s"] > 0 for s in result.summaries.values())
     # the real-engine comparison: batches outside the grid, real vs emulated on this spec
     shapes = [(2, 64, 24), (6, 128, 24), (12, 32, 16)]
-    rows = asyncio.run(compare(real_stack.router_url, spec, shapes))
+    rows = compare(real_stack.router_url, spec, shapes)
     real_stack.wait_idle()
     keep = os.environ.get("APRIL_CALIBRATE_COMPARE_OUT")
     if keep:
