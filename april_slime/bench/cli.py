@@ -164,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of {','.join(POLICIES)}")
     p.add_argument("--steps", type=int, default=None, help="rollout steps per policy (>= 1)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke test: fewer steps, prompts and sweep points (virtual: about a "
-                        "minute on 2 cores; --mode http: 2 policies x 2 steps of 4 x 8 samples "
+                   help="smoke test: fewer steps, prompts and sweep points (virtual: under a "
+                        "minute on 2 cores, 26 s measured; --mode http: 2 policies x 2 steps of 4 x 8 samples "
                         "with a 2K budget, 1-2 minutes at --time-scale 1); no steady state, so "
                         "the numbers are not results")
     p.add_argument("--band", action="store_true",
