@@ -30,8 +30,15 @@ def _bench(argv: list[str]) -> int:
     return int(bench_main(argv) or 0)
 
 
+def _calibrate(argv: list[str]) -> int:
+    from april_slime.bench.calibrate import main as calibrate_main
+
+    return int(calibrate_main(argv) or 0)
+
+
 COMMANDS = {
     "bench": (_bench, "rollout-policy benchmark against the SGLang emulator"),
+    "calibrate": (_calibrate, "measure a live SGLang engine; write an engine spec for bench"),
     "emulator": (_emulator, "run SGLang-protocol emulator engines behind a router"),
     "settings": (_settings, "print the plugin settings table"),
 }

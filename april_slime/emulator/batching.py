@@ -44,6 +44,19 @@ class TimeModel:
     decode_per_kv_token: float = 3e-8  # per KV token in use (attention reads): 3 ms per 100k
     prefill_t0: float = 0.005  # floor of one prefill step
     prefill_per_token: float = 2e-5  # per prefilled (or recomputed) token: 50k tokens/s
+    # Attention of a prefill grows with the context: a request prefilling n tokens from scratch
+    # (no prefix cache survives a weight update) pays for n (n + 1) / 2 query-key pairs. This is
+    # what makes re-prefilling a resumed 30K-token partial cost more than 30K x prefill_per_token.
+    prefill_per_token_pair: float = 0.0
+    # CUDA graphs are captured up to this batch (0: every batch); a larger decode batch runs
+    # eagerly and pays ``eager_step_extra_s`` of kernel-launch overhead per step.
+    graph_max_batch: float = 0.0
+    eager_step_extra_s: float = 0.0
+    # Roofline of the dense layers: a decode step reads the weights (part of ``decode_t0``) while
+    # it computes ``decode_flops_per_request`` seconds of matmuls per request; the two overlap, so
+    # the compute only adds time once it exceeds ``decode_overlap_s`` (the weight-read time).
+    decode_flops_per_request: float = 0.0
+    decode_overlap_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -52,11 +65,19 @@ class TimeModel:
         if self.decode_t0 <= 0.0 and self.decode_per_request <= 0.0:
             raise ValueError("TimeModel: a decode step must cost time (decode_t0 or decode_per_request > 0)")
 
-    def decode_step(self, num_running: int, kv_tokens: int) -> float:
-        return self.decode_t0 + self.decode_per_request * num_running + self.decode_per_kv_token * kv_tokens
+    def decode_fixed(self, num_running: int) -> float:
+        """The part of a decode step that does not depend on the KV in use."""
+        eager = (self.eager_step_extra_s
+                 if self.graph_max_batch > 0 and num_running > self.graph_max_batch else 0.0)
+        compute = max(0.0, self.decode_flops_per_request * num_running - self.decode_overlap_s)
+        return self.decode_t0 + eager + self.decode_per_request * num_running + compute
 
-    def prefill_step(self, tokens: int) -> float:
-        return self.prefill_t0 + self.prefill_per_token * tokens
+    def decode_step(self, num_running: int, kv_tokens: int) -> float:
+        return self.decode_fixed(num_running) + self.decode_per_kv_token * kv_tokens
+
+    def prefill_step(self, tokens: int, token_pairs: float = 0.0) -> float:
+        """A prefill of ``tokens`` tokens whose attention covers ``token_pairs`` query-key pairs."""
+        return self.prefill_t0 + self.prefill_per_token * tokens + self.prefill_per_token_pair * token_pairs
 
 
 @dataclass(frozen=True)
@@ -73,6 +94,21 @@ class EngineConfig:
     # remaining budget (clipped to admission_clip_new_tokens). 0 = admit whatever fits now.
     admission_new_token_ratio: float = 0.0
     admission_clip_new_tokens: int = 4096
+    # SGLang's NewTokenRatioTracker: the ratio above decays by this much per decode step down to
+    # ``min_new_token_ratio`` (SGLang: 0.7 -> 0.098 over 600 steps), and after a retraction jumps
+    # to (decoded + retract_decode_steps x running) / max_new_tokens of what still runs.
+    # 0 = a fixed ratio.
+    new_token_ratio_decay: float = 0.0
+    min_new_token_ratio: float = 0.0
+    retract_decode_steps: int = 20
+    # Which running request a KV overflow retracts, and where it waits: "newest-front" (the most
+    # recently admitted, back to the head of the queue: vLLM-like) or "sglang" (SGLang 0.5's
+    # ScheduleBatch.retract_decode: fewest output tokens first, ties to the longest input, queued
+    # at the back).
+    retraction: str = "newest-front"
+    # Seconds between an abort and its reply (the scheduler frees the request at its next step
+    # and the tokenizer manager sends the reply); the engine goes on meanwhile.
+    abort_latency_s: float = 0.0
     max_macro_steps: int = 32  # decode steps advanced at once when nothing happens in between
     time_scale: float = 1.0  # emulated seconds per loop second (real clock); 1 under the virtual clock
     timeline_max_points: int = 4096
@@ -90,6 +126,14 @@ class EngineConfig:
             raise ValueError("admission_new_token_ratio must be in [0, 1]")
         if self.admission_clip_new_tokens < 0:
             raise ValueError("admission_clip_new_tokens must be >= 0")
+        if not 0.0 <= self.min_new_token_ratio <= 1.0 or not self.new_token_ratio_decay >= 0.0:
+            raise ValueError("min_new_token_ratio must be in [0, 1] and new_token_ratio_decay >= 0")
+        if self.retract_decode_steps < 0:
+            raise ValueError("retract_decode_steps must be >= 0")
+        if self.retraction not in ("newest-front", "sglang"):
+            raise ValueError(f"retraction must be 'newest-front' or 'sglang', got {self.retraction!r}")
+        if not (self.abort_latency_s >= 0.0 and math.isfinite(self.abort_latency_s)):
+            raise ValueError(f"abort_latency_s must be a finite value >= 0, got {self.abort_latency_s}")
         if self.max_macro_steps < 1:
             raise ValueError(f"max_macro_steps must be >= 1, got {self.max_macro_steps}")
         if not (self.time_scale > 0.0 and math.isfinite(self.time_scale)):
@@ -186,6 +230,7 @@ class EmulatedEngine:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # in admission order (retraction takes from the end)
         self._kv_used = 0  # KV tokens of admitted requests (prefill + running)
+        self._new_token_ratio = self.config.admission_new_token_ratio
         self._plan: _Plan | None = None
         self._t = 0.0  # emulated time up to which the engine's work is accounted
         self._origin: float | None = None
@@ -367,10 +412,10 @@ class EmulatedEngine:
         # cut the plan there if the head of the queue could be admitted at that point.
         kv_then = self._kv_used + len(plan.batch) * (j + 1)
         growth = 0.0
-        if self.config.admission_new_token_ratio > 0.0:
+        if self._new_token_ratio > 0.0:
             cfg = self.config
-            growth = sum(cfg.admission_new_token_ratio * min(r.max_new_tokens - r.generated - (j + 1),
-                                                             cfg.admission_clip_new_tokens)
+            growth = sum(self._new_token_ratio * min(r.max_new_tokens - r.generated - (j + 1),
+                                                     cfg.admission_clip_new_tokens)
                          for r in plan.batch)
         if self._head_admissible(kv_then, len(self._running), growth):
             self._truncate(plan, j + 1)
@@ -469,8 +514,9 @@ class EmulatedEngine:
         batch = self._admit()
         if batch:
             tokens = sum(r.kv_tokens for r in batch)
+            pairs = sum(r.kv_tokens * (r.kv_tokens + 1) / 2.0 for r in batch)
             self._plan = _Plan("prefill", batch, start,
-                               np.array([start + self.config.time.prefill_step(tokens)]), tokens)
+                               np.array([start + self.config.time.prefill_step(tokens, pairs)]), tokens)
             return self._plan
         if not self._running:
             # Nothing fits even in an empty engine; submit() rejects such requests, so this
@@ -486,22 +532,22 @@ class EmulatedEngine:
             k = min(k, req.steps_left())
         tm = self.config.time
         kv = self._kv_used + n * np.arange(k)
-        durations = tm.decode_t0 + tm.decode_per_request * n + tm.decode_per_kv_token * kv
+        durations = tm.decode_fixed(n) + tm.decode_per_kv_token * kv
         self._plan = _Plan("decode", list(self._running), start, start + np.cumsum(durations))
         return self._plan
 
     def _growth_reserve(self, req: _Request) -> float:
         """KV kept free at admission for ``req``'s future growth (conservative admission)."""
         cfg = self.config
-        return cfg.admission_new_token_ratio * min(req.max_new_tokens - req.generated,
-                                                   cfg.admission_clip_new_tokens)
+        return self._new_token_ratio * min(req.max_new_tokens - req.generated,
+                                           cfg.admission_clip_new_tokens)
 
     def _head_admissible(self, kv_used: int, num_running: int, growth: float = 0.0) -> bool:
         if not self._waiting or num_running >= self.config.max_running_requests:
             return False
         head = self._waiting[0]
         need = kv_used + head.kv_tokens + self.config.admission_reserve_tokens
-        if self.config.admission_new_token_ratio > 0.0:
+        if self._new_token_ratio > 0.0:
             need += growth + self._growth_reserve(head)
         return need <= self.config.kv_capacity_tokens
 
@@ -509,13 +555,13 @@ class EmulatedEngine:
         batch: list[_Request] = []
         tokens = 0
         growth = 0.0
-        if self.config.admission_new_token_ratio > 0.0:
+        if self._new_token_ratio > 0.0:
             growth = sum(self._growth_reserve(r) for r in self._running)
         while self._head_admissible(self._kv_used, len(self._running) + len(batch), growth):
             head = self._waiting[0]
             if batch and tokens + head.kv_tokens > self.config.max_prefill_tokens:
                 break
-            if self.config.admission_new_token_ratio > 0.0:
+            if self._new_token_ratio > 0.0:
                 growth += self._growth_reserve(head)
             self._waiting.popleft()
             head.state = _PREFILL
@@ -525,15 +571,31 @@ class EmulatedEngine:
         return batch
 
     def _retract_to_fit(self) -> None:
-        """Retract the newest running requests until one more decode step fits the KV budget."""
+        """Retract running requests until one more decode step fits the KV budget."""
         cap = self.config.kv_capacity_tokens
+        if self._kv_used + len(self._running) <= cap:
+            return
+        sglang = self.config.retraction == "sglang"
+        if sglang:
+            # ScheduleBatch.retract_decode pops from the end of this order: fewest output tokens
+            # (then longest input) leave first. Kept in admission order otherwise.
+            victims = sorted(self._running, key=lambda r: (r.generated, -r.input_len), reverse=True)
         while len(self._running) > 1 and self._kv_used + len(self._running) > cap:
-            req = self._running.pop()
+            req = victims.pop() if sglang else self._running[-1]
+            self._running.remove(req)
             self._kv_used -= req.kv_tokens
             req.state = _WAITING
             req.retracted = True
-            self._waiting.appendleft(req)
+            if sglang:
+                self._waiting.append(req)
+            else:
+                self._waiting.appendleft(req)
             self.retractions += 1
+        if self.config.new_token_ratio_decay > 0.0:
+            decoded = sum(r.generated for r in self._running)
+            budget = sum(r.max_new_tokens for r in self._running)
+            self._new_token_ratio = min(
+                1.0, (decoded + self.config.retract_decode_steps * len(self._running)) / (budget + 1))
 
     def _set_version(self, req: _Request, pos: int) -> None:
         """From absolute position ``pos`` on, ``req`` generates under the engine's version."""
@@ -569,6 +631,9 @@ class EmulatedEngine:
             self.decode_steps += k
             self.decoded_tokens += k * len(plan.batch)
             self._kv_used += k * len(plan.batch)
+            if self.config.new_token_ratio_decay > 0.0:
+                self._new_token_ratio = max(self.config.min_new_token_ratio,
+                                            self._new_token_ratio - self.config.new_token_ratio_decay * k)
             for req in plan.batch:
                 req.generated += k
                 if req.end_pos is not None and req.next_pos > req.end_pos:
@@ -615,7 +680,12 @@ class EmulatedEngine:
         else:
             self.finished_requests += 1
         if not req.future.done():
-            req.future.set_result(self._reply(req, reason, now))
+            reply = self._reply(req, reason, now)
+            delay = self.config.abort_latency_s if reason == "abort" and not self._closed else 0.0
+            if delay > 0.0:
+                self._loop.call_at(self._loop_time(now + delay), _set_if_pending, req.future, reply)
+            else:
+                req.future.set_result(reply)
 
     def _reply(self, req: _Request, reason: str, now: float) -> dict:
         n = req.generated

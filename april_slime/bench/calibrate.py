@@ -1,0 +1,348 @@
+"""``april-slime calibrate``: measure a live SGLang engine and write an engine spec the bench loads.
+
+What it measures, on one engine (a router's first worker, from ``GET /workers``):
+
+* decode step time over a batch x context grid: a batch of ``B`` requests of ``C`` prompt tokens
+  generating ``M`` tokens (``ignore_eos``) against the same batch generating ``M / 3``; the
+  difference is ``2 M / 3`` decode steps of the whole batch holding ``B (C + m)`` KV tokens (the
+  staggered admission at the start cancels out). A least-squares fit gives ``decode_t0 +
+  decode_per_request B + decode_per_kv_token K``;
+* prefill time over prompt lengths (one request, one token): ``prefill_t0 + prefill_per_token n
+  + prefill_per_token_pair n (n + 1) / 2``;
+* KV capacity and the running-request limit from ``/v1/loads`` and ``/server_info``;
+* abort latency: a long request aborted by rid, time until its reply is back.
+
+Every measurement is the fastest of ``--repeats`` tries (the machine may be shared; the fastest is
+the least disturbed). Token ids are small (< 100), so any vocabulary takes them: an id past the
+vocabulary kills an SGLang engine. The spec JSON keeps the raw grid under ``measurements``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import sys
+import time
+import uuid
+from typing import Any, Sequence
+
+import numpy as np
+
+from .spec import ENGINE_PRESETS
+
+
+class CalibrationError(RuntimeError):
+    """The engine could not be measured (unreachable, malformed replies, failed requests)."""
+
+
+class _Engine:
+    def __init__(self, url: str, timeout_s: float):
+        import aiohttp
+
+        self.url = url.rstrip("/")
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def get(self, path: str) -> Any:
+        try:
+            async with self.session.get(self.url + path) as reply:
+                if reply.status != 200:
+                    raise CalibrationError(f"GET {self.url}{path}: HTTP {reply.status}")
+                text = await reply.text()
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise CalibrationError(f"GET {self.url}{path}: {exc!r}") from exc
+        return json.loads(text) if text.strip() else None
+
+    async def post(self, path: str, body: dict) -> Any:
+        try:
+            async with self.session.post(self.url + path, json=body) as reply:
+                text = await reply.text()
+                if reply.status != 200:
+                    raise CalibrationError(f"POST {self.url}{path}: HTTP {reply.status}: {text[:200]}")
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise CalibrationError(f"POST {self.url}{path}: {exc!r}") from exc
+        return json.loads(text) if text.strip() else None
+
+    async def generate(self, prompt_len: int, max_new_tokens: int, rid: str | None = None) -> dict:
+        ids = [3 + (i * 7) % 97 for i in range(prompt_len)]
+        body = {"input_ids": ids, "rid": rid or uuid.uuid4().hex,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True,
+                                    "temperature": 1.0}}
+        reply = await self.post("/generate", body)
+        if not isinstance(reply, dict) or not isinstance(reply.get("meta_info"), dict):
+            raise CalibrationError(f"/generate on {self.url}: malformed reply {str(reply)[:200]}")
+        return reply
+
+    async def batch_time(self, batch: int, prompt_len: int, max_new_tokens: int) -> float:
+        t0 = time.perf_counter()
+        replies = await asyncio.gather(*(self.generate(prompt_len, max_new_tokens)
+                                         for _ in range(batch)))
+        elapsed = time.perf_counter() - t0
+        for r in replies:
+            done = r["meta_info"].get("completion_tokens")
+            if done != max_new_tokens:
+                raise CalibrationError(f"/generate on {self.url}: asked for {max_new_tokens} tokens "
+                                       f"with ignore_eos, got {done} ({r['meta_info'].get('finish_reason')})")
+        return elapsed
+
+
+async def _engine_url(url: str, timeout_s: float) -> tuple[str, int]:
+    """The engine to measure and how many engines there are: a router's first worker, or ``url``."""
+    probe = _Engine(url, timeout_s)
+    try:
+        try:
+            workers = await probe.get("/workers")
+        except CalibrationError:
+            return url.rstrip("/"), 1
+        # sglang-router 0.3: {"workers": [{"url": ...}]}; older routers: {"urls": [...]}
+        listed = workers.get("workers") or workers.get("urls") if isinstance(workers, dict) else None
+        if isinstance(listed, list) and listed:
+            urls = [w["url"] if isinstance(w, dict) else str(w) for w in listed]
+            return urls[0].rstrip("/"), len(urls)
+        return url.rstrip("/"), 1
+    finally:
+        await probe.close()
+
+
+async def _optional(engine: _Engine, *paths: str) -> Any:
+    """The first of ``paths`` the engine answers (server info and model info are optional:
+    older SGLang and the emulator lack some of them)."""
+    for path in paths:
+        try:
+            return await engine.get(path)
+        except (CalibrationError, ValueError):
+            continue
+    return None
+
+
+def _context_length(*replies: Any) -> int | None:
+    """The engine's context length, from whichever info reply states it."""
+    for reply in replies:
+        if isinstance(reply, dict):
+            for key in ("context_length", "max_context_length", "max_model_len"):
+                value = reply.get(key)
+                if isinstance(value, int) and value > 0:
+                    return value
+    return None
+
+
+def _fit(rows: Sequence[Sequence[float]], y: Sequence[float]) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (drops a column that comes out negative)."""
+    a = np.asarray(rows, dtype=float)
+    b = np.asarray(y, dtype=float)
+    active = list(range(a.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (coef >= 0).all() or len(active) == 1:
+            out = np.zeros(a.shape[1])
+            out[active] = np.maximum(coef, 0.0)
+            return out
+        active.pop(int(np.argmin(coef)))
+
+
+async def measure(url: str, *, batches: Sequence[int] = (1, 4, 8), contexts: Sequence[int] = (64, 512),
+                  decode_tokens: int = 16, prefill_lengths: Sequence[int] = (64, 512, 2048),
+                  repeats: int = 2, timeout_s: float = 120.0) -> dict[str, Any]:
+    engine_url, num_engines = await _engine_url(url, timeout_s)
+    engine = _Engine(engine_url, timeout_s)
+    try:
+        loads = await engine.get("/v1/loads")
+        info = await _optional(engine, "/server_info", "/get_server_info")
+        model = await _optional(engine, "/model_info")
+        per_engine = loads.get("loads") if isinstance(loads, dict) else None
+        if not per_engine or "max_total_num_tokens" not in per_engine[0]:
+            raise CalibrationError(f"{engine_url}/v1/loads has no max_total_num_tokens: {str(loads)[:200]}")
+        capacity = int(per_engine[0]["max_total_num_tokens"])
+        max_running = info.get("max_running_requests") if isinstance(info, dict) else None
+        models = await _optional(engine, "/v1/models")  # OpenAI-style: data[0].max_model_len
+        cards = models.get("data") if isinstance(models, dict) else None
+        context_len = _context_length(info, model, *(cards if isinstance(cards, list) else []))
+        longest = max(max(contexts) + decode_tokens, max(prefill_lengths) + 1)
+        if context_len is not None and longest > context_len:
+            raise CalibrationError(f"the grid needs {longest} tokens per request but {engine_url} "
+                                   f"serves a context of {context_len}: lower --contexts / "
+                                   f"--prefill-lengths")
+        await engine.generate(16, 2)  # warm-up: first requests pay one-off costs
+
+        async def fastest(batch: int, prompt_len: int, new: int) -> float:
+            return min([await engine.batch_time(batch, prompt_len, new) for _ in range(repeats)])
+
+        decode_rows, decode_y, grid = [], [], []
+        for batch, context in itertools.product(batches, contexts):
+            # Two lengths, both long enough for the whole batch to be running: the requests
+            # arrive and are prefilled one after another, and that staggered start cancels out.
+            short = max(2, decode_tokens // 3)
+            full = await fastest(batch, context, decode_tokens)
+            first = await fastest(batch, context, short)
+            step = max(0.0, full - first) / (decode_tokens - short)
+            kv = batch * (context + (decode_tokens + short) / 2.0)
+            decode_rows.append([1.0, batch, kv])
+            decode_y.append(step)
+            grid.append({"batch": batch, "context": context, "decode_tokens": decode_tokens,
+                         "short_tokens": short, "time_full_s": full, "time_short_s": first,
+                         "decode_step_s": step})
+        t0, per_request, per_kv = _fit(decode_rows, decode_y)
+        prefill_rows, prefill_y, prefill_grid = [], [], []
+        for n in prefill_lengths:
+            t = await fastest(1, n, 1)
+            prefill_rows.append([1.0, n, n * (n + 1) / 2.0])
+            prefill_y.append(t)
+            prefill_grid.append({"tokens": n, "time_s": t})
+        p0, p_tok, p_pair = _fit(prefill_rows, prefill_y)
+
+        # abort latency: a long request, aborted by rid once it is decoding
+        rid = "calibrate-abort-" + uuid.uuid4().hex
+        # long enough to still be decoding when the abort lands, within the context and the pool
+        budget = min(capacity // 2, (context_len or 4096) - 32, 100_000)
+        task = asyncio.ensure_future(engine.generate(16, budget, rid))
+        await asyncio.sleep(max(0.3, 5 * t0))
+        sent = time.perf_counter()
+        await engine.post("/abort_request", {"rid": rid})
+        reply = await asyncio.wait_for(task, timeout_s)
+        abort_latency = time.perf_counter() - sent
+        finish = reply["meta_info"].get("finish_reason") or {}
+        if finish.get("type") != "abort":
+            raise CalibrationError(f"abort of {rid} on {engine_url} did not abort it: {finish}")
+    finally:
+        await engine.close()
+    if t0 <= 0 and per_request <= 0:
+        raise CalibrationError("decode steps measured as free: the grid is too small for this engine")
+    return {
+        "engine_url": engine_url, "num_engines": num_engines,
+        "model_path": model.get("model_path") if isinstance(model, dict) else None,
+        "kv_capacity_tokens": capacity, "max_running_requests": max_running,
+        "decode_t0": float(t0), "decode_per_request": float(per_request),
+        "decode_per_kv_token": float(per_kv), "prefill_t0": float(p0),
+        "prefill_per_token": float(p_tok), "prefill_per_token_pair": float(p_pair),
+        "abort_latency_s": abort_latency, "decode_grid": grid, "prefill_grid": prefill_grid,
+    }
+
+
+def engine_spec(m: dict[str, Any], base_preset: str, name: str | None = None) -> dict[str, Any]:
+    """The spec JSON (``EngineSpec.from_dict``) for measurement ``m``."""
+    spec: dict[str, Any] = {
+        "base_preset": base_preset,
+        "name": name or f"calibrated:{m['engine_url']}",
+        "model": str(m["model_path"] or ENGINE_PRESETS[base_preset].model),
+        "num_engines": int(m["num_engines"]), "gpus_per_engine": 1,
+        "decode_t0": m["decode_t0"], "decode_per_request": m["decode_per_request"],
+        "decode_per_kv_token": m["decode_per_kv_token"], "prefill_t0": m["prefill_t0"],
+        "prefill_per_token": m["prefill_per_token"],
+        "prefill_per_token_pair": m["prefill_per_token_pair"],
+        "kv_capacity_tokens": int(m["kv_capacity_tokens"]), "abort_latency_s": m["abort_latency_s"],
+        "cuda_graph_max_bs": 0,  # measured steps already are what the engine does at each batch
+        "source": f"april-slime calibrate {m['engine_url']} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
+        "measurements": m,
+    }
+    if m.get("max_running_requests"):
+        spec["max_running_requests"] = int(m["max_running_requests"])
+    return spec
+
+
+def emulated_batch_time(spec: Any, batch: int, prompt_len: int, max_new_tokens: int) -> float:
+    """Seconds the emulator, running ``spec``, takes for a batch like ``_Engine.batch_time``'s."""
+    from april_slime.emulator import EmulatedEngine, SyntheticLM, run_virtual
+
+    async def run() -> float:
+        engine = EmulatedEngine(SyntheticLM(), spec.engine_config())
+        engine.start()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        ids = [3 + (i * 7) % 97 for i in range(prompt_len)]
+        await asyncio.gather(*(engine.generate(f"r{i}", ids, max_new_tokens, i, ignore_eos=True)
+                               for i in range(batch)))
+        elapsed = loop.time() - t0
+        await engine.stop()
+        return elapsed
+
+    return run_virtual(run())
+
+
+async def _real_batch_times(url: str, shapes: Sequence[tuple[int, int, int]], repeats: int,
+                            timeout_s: float) -> list[float]:
+    engine_url, _ = await _engine_url(url, timeout_s)
+    engine = _Engine(engine_url, timeout_s)
+    try:
+        return [min([await engine.batch_time(b, p, n) for _ in range(repeats)]) for b, p, n in shapes]
+    finally:
+        await engine.close()
+
+
+def compare(url: str, spec: Any, shapes: Sequence[tuple[int, int, int]], repeats: int = 3,
+            timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Real vs emulated time of batches (batch, prompt, new tokens) outside the calibration grid
+    (call it outside an event loop: the emulated side runs on its own virtual clock)."""
+    real = asyncio.run(_real_batch_times(url, shapes, repeats, timeout_s))
+    out = []
+    for (batch, prompt_len, new), real_s in zip(shapes, real):
+        emulated = emulated_batch_time(spec, batch, prompt_len, new)
+        out.append({"batch": batch, "prompt_len": prompt_len, "new_tokens": new,
+                    "real_s": real_s, "emulated_s": emulated, "ratio": emulated / real_s})
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="april-slime calibrate",
+        description="Measure a live SGLang engine (or a router's first worker): decode step time "
+                    "over a batch x context grid, prefill time, KV capacity, abort latency; write "
+                    "an engine spec for `april-slime bench --engine-spec`.")
+    p.add_argument("--url", required=True, help="engine or sglang-router URL")
+    p.add_argument("--out", default=None, metavar="PATH", help="write the spec JSON here (default: stdout)")
+    p.add_argument("--base-preset", default="h100-qwen3-4b", choices=sorted(ENGINE_PRESETS),
+                   help="preset the fields not measured (model shape, training phase) come from")
+    p.add_argument("--name", default=None, help="spec name (default: calibrated:<engine url>)")
+    p.add_argument("--batches", default="1,4,8", help="decode grid batch sizes")
+    p.add_argument("--contexts", default="64,512", help="decode grid prompt lengths")
+    p.add_argument("--decode-tokens", type=int, default=16, help="tokens decoded per grid point (>= 6)")
+    p.add_argument("--prefill-lengths", default="64,512,2048", help="prefill grid prompt lengths")
+    p.add_argument("--repeats", type=int, default=2, help="tries per point; the fastest is kept")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP call")
+    return p
+
+
+def _ints(text: str, what: str, minimum: int) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{what} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < minimum:
+        raise ValueError(f"--{what} must be integers >= {minimum}, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        batches = _ints(args.batches, "batches", 1)
+        contexts = _ints(args.contexts, "contexts", 1)
+        prefill = _ints(args.prefill_lengths, "prefill-lengths", 1)
+        if args.decode_tokens < 6 or args.repeats < 1 or not args.timeout > 0:
+            raise ValueError("--decode-tokens must be >= 6, --repeats >= 1, --timeout > 0")
+        if len(set(batches)) * len(set(contexts)) < 3 or len(set(prefill)) < 2:
+            raise ValueError("the grid needs >= 3 (batch, context) points and >= 2 prefill lengths")
+        m = asyncio.run(measure(args.url, batches=batches, contexts=contexts,
+                                decode_tokens=args.decode_tokens, prefill_lengths=prefill,
+                                repeats=args.repeats, timeout_s=args.timeout))
+    except (ValueError, CalibrationError) as exc:
+        print(f"april-slime calibrate: {exc}", file=sys.stderr)
+        return 2
+    spec = engine_spec(m, args.base_preset, args.name)
+    text = json.dumps(spec, indent=2)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    else:
+        print(text)
+    print(f"april-slime calibrate: {m['engine_url']}: decode {m['decode_t0'] * 1e3:.2f} ms "
+          f"+ {m['decode_per_request'] * 1e6:.1f} us/request + {m['decode_per_kv_token'] * 1e9:.2f} "
+          f"ns/KV token; prefill {m['prefill_t0'] * 1e3:.1f} ms + {m['prefill_per_token'] * 1e6:.1f} "
+          f"us/token; KV {m['kv_capacity_tokens']:,} tokens; abort {m['abort_latency_s'] * 1e3:.0f} ms",
+          file=sys.stderr)
+    return 0

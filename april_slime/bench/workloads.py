@@ -1,0 +1,244 @@
+"""What a benchmark run does (``Workload``), its prompts, and the length/ideal-throughput maths."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from april_slime.emulator import LengthModel, SyntheticLM
+from april_slime.emulator.model import prompt_key
+from april_slime.types import Group, Trajectory
+
+from .spec import EngineSpec
+
+# ``sync-oversample``: slime's baseline under a dynamic-sampling filter (APRIL's DAPO arm):
+# over-sample, abort at the target, discard the partials.
+POLICIES = ("sync", "april", "copris", "copris-adaptive", "sync-oversample")
+MODES = ("virtual", "http")
+
+
+# ============================================================================ workloads
+@dataclass(frozen=True)
+class Workload:
+    """What one benchmark run does. ``sweep`` picks the variable: none, context, concurrency,
+    oversampling; its points are ``sweep_values``."""
+
+    name: str
+    preset: str = "h100-qwen3-4b"
+    length: str = "dapo-math-qwen3-4b-16k"  # emulator length preset (with optional overrides)
+    max_response_len: int = 16384
+    prompt_len: int = 256
+    rollout_batch_size: int = 32
+    n_samples_per_prompt: int = 8
+    steps: int = 6
+    # The fewest steps left out of the summary (the first starts from an empty buffer). The
+    # warm-up actually used is detected per run: until the buffer's age distribution is
+    # stationary (``runner.detect_warmup``) a partial-rollout policy has generated the cheap early
+    # tokens of long responses and parked the expensive late ones, and looks better than it is.
+    warmup_steps: int = 1
+    policies: tuple[str, ...] = ("sync", "april", "copris", "copris-adaptive")
+    concurrency: int | None = None  # copris N'; None: 2 x rollout_batch_size x n_samples_per_prompt
+    over_sampling_factor: float = 2.0
+    max_staleness: int | None = None
+    sweep: str = "none"
+    sweep_values: tuple[float, ...] = ()
+    seed: int = 0
+    # DAPO's dynamic sampling: share of groups with mixed rewards (the rest are filtered out and
+    # replaced); 1 = no filter (GRPO).
+    filter_keep_fraction: float = 1.0
+    load_poll_interval_s: float = 2.0  # emulated seconds between /v1/loads reads (controller)
+    timeline_interval_s: float = 1.0  # emulated seconds between load samples for the figure
+
+    def __post_init__(self) -> None:
+        for name in ("max_response_len", "prompt_len", "rollout_batch_size", "n_samples_per_prompt",
+                     "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"workload {name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"workload warmup_steps must be in [0, steps), got {self.warmup_steps}")
+        if self.prompt_len < 4:
+            raise ValueError("workload prompt_len must be >= 4 (the emulator keys prompts by 4 tokens)")
+        unknown = [p for p in self.policies if p not in POLICIES]
+        if unknown:
+            raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+        if self.sweep not in ("none", "context", "concurrency", "oversampling"):
+            raise ValueError(f"unknown sweep {self.sweep!r}")
+        if not 0.0 < self.filter_keep_fraction <= 1.0:
+            raise ValueError(f"workload filter_keep_fraction must be in (0, 1], got {self.filter_keep_fraction}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"workload concurrency must be >= 1, got {self.concurrency}")
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    def copris_concurrency(self) -> int:
+        # CoPRIS ran N' = 1024 for 64 x 8 = 512 samples per step: twice a batch.
+        return self.concurrency or 2 * self.samples_per_step
+
+    def length_model(self) -> LengthModel:
+        return LengthModel.parse(self.length)
+
+
+WORKLOADS: dict[str, Workload] = {
+    # APRIL's setup (Qwen3-4B, 8 GPUs, DAPO-Math, 32 x 8, 16K, over-sampling 64): the headline.
+    # 30 steps: the warm-up detector needs a second half to compare against.
+    "dapo16k": Workload(name="dapo16k", steps=30),
+    # CoPRIS fig. 3a ran Qwen3-8B from 8K to 40K; same length law, only the budget changes, so the
+    # tail (and the runaway samples that hit the budget) grows with the context.
+    "context-sweep": Workload(name="context-sweep", preset="h100-qwen3-8b", length="deepscaler-qwen3-8b",
+                              steps=20, warmup_steps=2,
+                              policies=("sync", "april", "copris"), sweep="context",
+                              sweep_values=(8192, 16384, 32768, 40960)),
+    # CoPRIS table 2 analogue: fixed N' from half a batch to 8 batches, plus the controller.
+    "concurrency-sweep": Workload(name="concurrency-sweep", steps=8, warmup_steps=2,
+                                  policies=("copris", "copris-adaptive"), sweep="concurrency",
+                                  sweep_values=(128, 256, 512, 768, 1024, 1536, 2048)),
+    "oversampling-sweep": Workload(name="oversampling-sweep", steps=8, warmup_steps=2,
+                                   policies=("april",),
+                                   sweep="oversampling", sweep_values=(1.0, 1.5, 2.0, 3.0, 4.0)),
+}
+
+# --quick: a smoke test of the same shapes - fewer steps, prompts and sweep points; its numbers
+# are not a steady state (the output says so).
+# --quick --mode http runs on the wall clock (emulated seconds / --time-scale): short responses and
+# two policies, so it finishes in about two minutes at the default time scale.
+QUICK_HTTP: dict[str, Any] = dict(steps=2, warmup_steps=1, rollout_batch_size=4,
+                                  max_response_len=2048, policies=("sync", "copris"))
+QUICK: dict[str, dict[str, Any]] = {
+    "dapo16k": dict(steps=3, warmup_steps=1, rollout_batch_size=8),
+    "context-sweep": dict(steps=2, warmup_steps=1, rollout_batch_size=8, sweep_values=(8192, 40960)),
+    "concurrency-sweep": dict(steps=3, warmup_steps=1, rollout_batch_size=8, sweep_values=(64, 128, 256)),
+    "oversampling-sweep": dict(steps=3, warmup_steps=1, rollout_batch_size=8, sweep_values=(1.0, 2.0, 4.0)),
+}
+
+
+# ============================================================================ prompts
+class SyntheticPrompts:
+    """Fresh prompt groups for the scheduler (``PromptSource``): prompt ``i`` starts with four
+    tokens derived from ``i`` (the emulator's prompt key), so every prompt has its own difficulty;
+    sample ``j`` of prompt ``i`` has sampling seed ``i * n + j``. Never exhausted."""
+
+    FILLER_TOKEN = 100
+
+    def __init__(self, prompt_len: int, n_samples_per_prompt: int, max_new_tokens: int,
+                 vocab_size: int = 151936, seed: int = 0):
+        self.prompt_len = prompt_len
+        self.n = n_samples_per_prompt
+        self.max_new_tokens = max_new_tokens
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.issued = 0
+
+    def prompt_ids(self, index: int) -> list[int]:
+        head = [(self.seed * 1_000_003 + index * 7919 + k * 104729 + 17) % (self.vocab_size - 1)
+                for k in range(4)]
+        return head + [self.FILLER_TOKEN] * (self.prompt_len - 4)
+
+    def group(self, index: int, current_version: int) -> Group:
+        prompt = self.prompt_ids(index)
+        uid = f"p{index}"
+        trajectories = [
+            Trajectory(uid=f"{uid}/{j}", group_uid=uid, index_in_group=j, prompt_ids=list(prompt),
+                       max_new_tokens=self.max_new_tokens, sampling_seed=index * self.n + j)
+            for j in range(self.n)
+        ]
+        return Group(uid=uid, prompt_ids=prompt, trajectories=trajectories,
+                     created_version=current_version)
+
+    def next_groups(self, n: int, current_version: int) -> list[Group]:
+        groups = [self.group(self.issued + i, current_version) for i in range(n)]
+        self.issued += n
+        return groups
+
+
+# ============================================================================ ideal throughput
+@dataclass(frozen=True)
+class LengthStats:
+    mean: float
+    mean_square: float
+    median: float
+    p90: float
+    truncated_fraction: float  # samples that hit the budget
+
+    @property
+    def kv_per_slot(self) -> float:
+        """Time-averaged KV tokens a running request holds beyond its prompt: over a request of
+        length L the engine holds 1..L generated tokens, one step each, and a slot spends time in
+        proportion to L, so the average is E[L(L+1)/2] / E[L]."""
+        return (self.mean_square + self.mean) / (2.0 * self.mean)
+
+
+_SCALE_CACHE: dict[tuple, np.ndarray] = {}
+
+
+def _sample_scales(workload: Workload, num_prompts: int) -> np.ndarray:
+    """Weibull scale of the first ``num_prompts`` prompts' samples (NaN: never stops); they do
+    not depend on the budget, so one computation serves every point of a context sweep."""
+    key = (workload.seed, workload.length, workload.prompt_len, workload.n_samples_per_prompt,
+           num_prompts)
+    if key not in _SCALE_CACHE:
+        model = SyntheticLM(seed=workload.seed, length=workload.length_model())
+        prompts = SyntheticPrompts(workload.prompt_len, workload.n_samples_per_prompt, 1,
+                                   model.vocab_size, workload.seed)
+        n = workload.n_samples_per_prompt
+        scales = []
+        for i in range(num_prompts):
+            pk = prompt_key(prompts.prompt_ids(i))
+            for j in range(n):
+                scale = model.profile(pk, i * n + j).scale
+                scales.append(math.nan if scale is None else scale)
+        _SCALE_CACHE[key] = np.array(scales)
+    return _SCALE_CACHE[key]
+
+
+def length_stats(workload: Workload, max_response_len: int | None = None,
+                 num_prompts: int = 256, quantiles: int = 64) -> LengthStats:
+    """Response-length moments of the workload's prompts under the emulator's length law.
+
+    Exact per sample (the emulator's stop rule is a Weibull hazard on the absolute position, so
+    the stop position has a closed-form quantile function), averaged over ``quantiles`` equally
+    likely draws per sample instead of one random draw, so the estimate is smooth in the budget.
+    """
+    budget = max_response_len or workload.max_response_len
+    k = workload.length_model().shape
+    scales = _sample_scales(workload, num_prompts)[:, None]
+    q = (np.arange(quantiles) + 0.5) / quantiles
+    exp_draws = -np.log1p(-q)[None, :]
+    p0 = workload.prompt_len
+    with np.errstate(invalid="ignore"):
+        stop_plus_one = np.ceil(scales * ((p0 / scales) ** k + exp_draws) ** (1.0 / k))
+    arr = np.where(np.isnan(stop_plus_one), float(budget), np.clip(stop_plus_one - p0, 1, budget))
+    arr = arr.ravel()
+    return LengthStats(mean=float(arr.mean()), mean_square=float((arr ** 2).mean()),
+                       median=float(np.median(arr)), p90=float(np.percentile(arr, 90)),
+                       truncated_fraction=float((arr >= budget).mean()))
+
+
+def ideal_throughput(spec: EngineSpec, workload: Workload, stats: LengthStats) -> dict[str, float]:
+    """Generated tokens/s of the whole cluster if every engine were always full at its KV limit.
+
+    Per engine: B = min(max_running_requests, capacity / (prompt + kv_per_slot)) requests run
+    every step; a decode step costs t = t0 + c_req * B + c_kv * capacity and yields B tokens; each
+    request also pays one prefill of its prompt, spread over its E[L] tokens. Nothing else - no
+    idle engine, no retraction, no re-prefill of resumed partials - so it is an upper bound that
+    no schedule can beat on this time model.
+    """
+    tm = spec.time_model()
+    capacity = spec.kv_capacity()
+    slot = workload.prompt_len + stats.kv_per_slot
+    batch = min(float(spec.max_running_requests), capacity / slot)
+    kv = batch * slot
+    step = tm.decode_fixed(batch) + tm.decode_per_kv_token * kv
+    p = workload.prompt_len
+    prefill_per_token = (tm.prefill_per_token * p + tm.prefill_per_token_pair * p * (p + 1) / 2) / stats.mean
+    seconds_per_token = step / batch + prefill_per_token
+    per_engine = 1.0 / seconds_per_token
+    return {"tokens_per_s": per_engine * spec.num_engines, "per_engine_tokens_per_s": per_engine,
+            "batch_per_engine": batch, "kv_tokens_per_request": slot, "decode_step_s": step,
+            "kv_limited_concurrency": batch * spec.num_engines}
+
+

@@ -1,0 +1,67 @@
+"""``april-slime calibrate`` against the emulator over HTTP: it must recover the time model the
+emulator runs with, and its spec must load into the bench."""
+
+import asyncio
+import json
+
+import pytest
+
+from april_slime.bench import EngineSpec, Workload, run_benchmark
+from april_slime.bench.calibrate import engine_spec, main as calibrate_main, measure
+from april_slime.emulator import EmulatorCluster, EngineConfig, TimeModel
+
+# Slow steps (tens of milliseconds) so a busy machine's scheduling noise stays small next to them.
+TRUTH = TimeModel(decode_t0=0.03, decode_per_request=0.004, decode_per_kv_token=4e-6,
+                  prefill_t0=0.02, prefill_per_token=2e-5)
+
+
+async def test_calibrate_recovers_the_emulated_engine_and_writes_a_loadable_spec():
+    cluster = EmulatorCluster(2, engine_config=EngineConfig(
+        time=TRUTH, kv_capacity_tokens=40_000, max_running_requests=64))
+    await cluster.start()
+    try:
+        await cluster.serve_http()
+        m = await measure(cluster.router_url, batches=(1, 4, 8), contexts=(64, 512), decode_tokens=12,
+                          prefill_lengths=(64, 1024), repeats=2, timeout_s=30)
+    finally:
+        await cluster.close()
+    assert m["num_engines"] == 2 and m["engine_url"] == cluster.engine_urls[0]
+    assert m["kv_capacity_tokens"] == 40_000
+    # the fitted law predicts the engine's decode step over the grid (a shared machine's timing
+    # noise allowed for), and over a point outside it
+    fitted = TimeModel(decode_t0=m["decode_t0"], decode_per_request=m["decode_per_request"],
+                       decode_per_kv_token=m["decode_per_kv_token"])
+    for batch, kv in [(1, 100), (4, 2_000), (8, 4_000), (16, 8_000)]:
+        assert fitted.decode_step(batch, kv) == pytest.approx(TRUTH.decode_step(batch, kv), rel=0.2)
+    assert m["decode_t0"] == pytest.approx(TRUTH.decode_t0, rel=0.35)
+    assert 0 <= m["abort_latency_s"] < 0.5
+    spec = EngineSpec.from_dict(json.loads(json.dumps(engine_spec(m, "h100-qwen3-4b"))))
+    assert spec.kv_capacity() == 40_000 and spec.num_engines == 2
+    tm = spec.time_model()
+    assert tm.decode_t0 == m["decode_t0"] and tm.decode_flops_per_request == 0  # measured: no roofline
+    assert tm.prefill_per_token_pair == m["prefill_per_token_pair"]
+    # the bench runs on it
+    w = Workload(name="t", length="short", max_response_len=64, prompt_len=16, rollout_batch_size=4,
+                 n_samples_per_prompt=2, steps=2, warmup_steps=1, policies=("sync",))
+    result = await asyncio.to_thread(run_benchmark, w, spec)  # its own (virtual) event loop
+    assert result.summaries["sync"]["throughput_tokens_per_s"] > 0
+
+
+def test_calibrate_cli_names_bad_input(capsys):
+    assert calibrate_main(["--url", "http://127.0.0.1:9", "--batches", "1,x"]) == 2
+    assert "--batches" in capsys.readouterr().err
+    assert calibrate_main(["--url", "http://127.0.0.1:9", "--batches", "1", "--contexts", "64"]) == 2
+    assert "grid" in capsys.readouterr().err
+    # nothing listens on port 9: a clear error, not a traceback
+    assert calibrate_main(["--url", "http://127.0.0.1:9", "--timeout", "5"]) == 2
+    assert "127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_engine_spec_json_rejects_unknown_keys(tmp_path):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps({"base_preset": "h100-qwen3-4b", "decode_t0": 0.01, "decod_t0": 1}))
+    with pytest.raises(ValueError, match="decod_t0"):
+        EngineSpec.load(str(path))
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="spec.json"):
+        EngineSpec.load(str(path))
