@@ -53,7 +53,8 @@ from april_slime.emulator.vclock import run_virtual
 from april_slime.engine import EngineClient, HttpTransport, TransportHTTPError
 from april_slime.jsonfile import StateFileError
 from april_slime.scheduler import RolloutScheduler, RolloutStepError
-from april_slime.types import Group, TrajectoryStatus
+from april_slime.buffer import PartialBuffer
+from april_slime.types import Group, Trajectory, TrajectoryStatus
 
 SOAK_STEPS = int(os.environ.get("APRIL_SOAK_STEPS", "1000"))
 SEED = 20261123
@@ -441,3 +442,192 @@ def test_soak_virtual_clock_every_fault_class(slime, quiet, tmp_path, prompts_fi
     assert t.oov_sent == 0, "an out-of-vocabulary id reached an engine"
     assert set(soak.kills_done) == set(soak.save_points), "a save point was never killed"
     assert f["delivered_steps"] > SOAK_STEPS // 2
+
+
+@pytest.mark.parametrize("policy", ["sync", "april", "copris"])
+def test_one_wedged_engine_bounds_every_step(quiet, policy):
+    """Default settings, emulated engines: after some healthy steps one engine accepts requests
+    and never answers again (not even probes or aborts). No step takes longer than twice the
+    longest healthy step plus the documented deadline (stall_probe_after_s + probe_timeout_s,
+    90 s), and the steps after the first are no slower than twice a healthy one."""
+
+    async def main():
+        async with start_cluster(num_engines=2, seed=9, time_scale=1.0, http=False, length=LENGTH) as running:
+            transport = FaultyTransport(running, random.Random(1), running.cluster.model.vocab_size)
+            client = EngineClient(running.engine_urls, transport=transport)  # every default
+            config = AprilConfig.from_dict({"policy": policy})
+            sched = RolloutScheduler(config, client, PartialBuffer(), rollout_batch_size=4,
+                                     n_samples_per_prompt=N_SAMPLES, sampling_params={"temperature": 1.0})
+
+            class Prompts:
+                made = 0
+
+                def next_groups(self, n, v):
+                    out = []
+                    for _ in range(n):
+                        i, Prompts.made = Prompts.made, Prompts.made + 1
+                        prompt = [10 + i, 20 + 3 * i, 30 + 7 * i, 40 + 11 * i]
+                        out.append(Group(uid=f"w{i}", prompt_ids=prompt, trajectories=[
+                            Trajectory(uid=f"w{i}/{j}", group_uid=f"w{i}", index_in_group=j,
+                                       prompt_ids=list(prompt), max_new_tokens=MAX_LEN, sampling_seed=j)
+                            for j in range(N_SAMPLES)]))
+                    return out
+
+            loop = asyncio.get_running_loop()
+            times = []
+            for step in range(10):
+                if step == 5:
+                    transport.wedged_until[running.engine_urls[1]] = float("inf")
+                start = loop.time()
+                res = await asyncio.wait_for(sched.run_step(Prompts(), step), 3 * 3600)
+                assert len(res.groups) == 4
+                times.append(loop.time() - start)
+            return times, sched
+
+    times, sched = run_virtual(main())
+    healthy, wedged = times[:5], times[5:]
+    deadline = sched.stall_probe_after_s + sched.probe_timeout_s
+    assert max(wedged) <= 2 * max(healthy) + deadline, (healthy, wedged)
+    assert max(wedged[1:]) <= 2 * max(healthy), (healthy, wedged)
+    print(f"\n{policy}: healthy steps {[round(t, 1) for t in healthy]} s, "
+          f"one engine wedged {[round(t, 1) for t in wedged]} s (virtual)")
+
+
+# ====================================================================== part 2: real processes
+EMU_SEED = 5
+
+
+def _free_port_pair() -> int:
+    """A port P with P and P+1 free (an emulator process puts its router on P, its engine on P+1)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+class EngineProcess:
+    """One emulated SGLang engine in its own process, restartable on the same port."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port + 1}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "april_slime.emulator", "--port", str(self.port), "--engines", "1",
+             "--seed", str(EMU_SEED), "--length-dist", "short", "--time-scale", "4"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2):  # "router URL" then "engine URL" once it serves
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"emulator did not start: {self.proc.stderr.read()}")
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+
+
+@pytest.fixture
+def engine_processes():
+    engines = [EngineProcess(_free_port_pair()) for _ in range(2)]
+    try:
+        for e in engines:
+            e.start()
+        yield engines
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def test_http_engine_killed_mid_step_and_restarted(quiet, engine_processes):
+    """SIGKILL of a real engine process while a step has requests on it, a restart on the same
+    port, and a second kill that lasts two steps: no step loses or repeats a group, every token is
+    the engine's, and the restarted engine comes back into dispatch."""
+    model = SyntheticLM(seed=EMU_SEED, length=LengthModel.parse("short"))
+    victim, other = engine_processes
+
+    class Prompts:
+        def __init__(self):
+            self.made = 0
+
+        def next_groups(self, n, current_version):
+            out = []
+            for _ in range(n):
+                i = self.made
+                self.made += 1
+                prompt = [10 + i, 20 + 3 * i, 30 + 7 * i, 40 + 11 * i, 5, 6]
+                trajs = [Trajectory(uid=f"h{i}/{j}", group_uid=f"h{i}", index_in_group=j,
+                                    prompt_ids=list(prompt), max_new_tokens=64, sampling_seed=100 + j)
+                         for j in range(N_SAMPLES)]
+                out.append(Group(uid=f"h{i}", prompt_ids=prompt, trajectories=trajs))
+                ledger.handed_out.add(f"h{i}")
+            return out
+
+    ledger = Ledger()
+
+    async def main():
+        transport = HttpTransport()
+        client = EngineClient([victim.url, other.url], transport=transport, timeout_s=30.0, max_retries=2,
+                              retry_backoff_s=0.1, vocab_size=model.vocab_size)
+        buffer = PartialBuffer()
+        sched = RolloutScheduler(AprilConfig.from_dict({"policy": "copris", "concurrency": 8}), client, buffer,
+                                 rollout_batch_size=BATCH, n_samples_per_prompt=N_SAMPLES,
+                                 sampling_params={"temperature": 1.0}, drain_timeout_s=5.0,
+                                 probe_timeout_s=2.0, probe_interval_s=0.2)
+        prompts = Prompts()
+        loop = asyncio.get_running_loop()
+        victim_calls = []
+        try:
+            for step in range(12):
+                before = client.stats[victim.url].calls
+                task = loop.create_task(sched.run_step(prompts, 0))
+                if step in (2, 6):
+                    while client.stats[victim.url].calls == before:  # requests are on the victim
+                        await asyncio.sleep(0.002)
+                    assert not task.done()
+                    victim.kill()
+                try:
+                    result = await task
+                    ledger.delivered += [g.uid for g in result.groups]
+                    for g in result.groups:
+                        check_against(model, g)
+                except RolloutStepError:
+                    pass
+                ledger.dropped.update(sched.last_dropped)
+                for g in buffer.groups():
+                    check_against(model, g)
+                ledger.check(buffer, f"http step {step}")
+                victim_calls.append(client.stats[victim.url].calls - before)
+                if step in (3, 8):
+                    await loop.run_in_executor(None, victim.start)
+        finally:
+            await client.close()
+            await transport.close()
+        return victim_calls, sched
+
+    victim_calls, sched = asyncio.run(main())
+    assert victim_calls[7] == 0, "a killed engine kept getting requests"
+    # back in dispatch once its probe answers (a step may end before that)
+    assert sum(victim_calls[4:6]) > 0 and sum(victim_calls[9:]) > 0, "the restarted engine did not come back"
+    assert victim.url not in sched.health.excluded
+    assert len(ledger.delivered) >= 7 * BATCH
+
+
+def check_against(model, g: Group) -> None:
+    for tr in g.trajectories:
+        assert tr.status is not TrajectoryStatus.RUNNING
+        ids, lps = model.reference(tr.prompt_ids, tr.sampling_seed, len(tr.prompt_ids), tr.token_versions())
+        assert tr.response_ids == ids and tr.logprobs == lps, tr.uid
