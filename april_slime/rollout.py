@@ -571,7 +571,7 @@ class _Runtime:
             group_filter=self._keep_group if self.filter_fn is not None else None,
             controller=self.controller,
             over_sampling_batch_size=_explicit_over_sampling(args),
-            eos_token_id=getattr(self.codec.tokenizer, "eos_token_id", None),
+            eos_token_id=_eos_token_ids(self.codec),
         )
 
     async def _policy_version(self) -> int:
@@ -687,6 +687,25 @@ def _vocab_size(codec: "_SampleCodec") -> int | None:
         logger.warning("vocabulary size unknown (no model config, tokenizer without a length): token "
                        "ids are only checked to be >= 0")
         return None
+
+
+def _eos_token_ids(codec: "_SampleCodec") -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS and the checkpoint's
+    ``generation_config.json`` eos_token_id (an id or a list; chat models list several)."""
+    ids = []
+    eos = getattr(codec.tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.append(eos)
+    path = getattr(codec.args, "hf_checkpoint", None)
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except Exception as e:  # no transformers, or no generation config next to the tokenizer
+        logger.debug("no generation config read from %s: %s", path, e)
+        eos = None
+    ids += [eos] if isinstance(eos, int) else [t for t in (eos or []) if isinstance(t, int)]
+    return sorted(set(ids))
 
 
 def sampling_params(args: Any) -> dict[str, Any]:

@@ -211,7 +211,7 @@ class RolloutScheduler:
                  over_sampling_batch_size: int | None = None,
                  max_failures_per_trajectory: int = 3,
                  max_rejected_calls: int = 2,
-                 eos_token_id: int | None = None,
+                 eos_token_id: int | Iterable[int] | None = None,
                  abort_retry_interval_s: float = 1.0,
                  abort_timeout_s: float = 5.0,
                  drain_timeout_s: float = 30.0,
@@ -249,7 +249,8 @@ class RolloutScheduler:
         self.stop_token_ids: frozenset[int] = frozenset(
             int(t) for t in (self.sampling_params.get("stop_token_ids") or []))
         if eos_token_id is not None and not self.sampling_params.get("ignore_eos", False):
-            self.stop_token_ids |= {int(eos_token_id)}
+            eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+            self.stop_token_ids |= {int(t) for t in eos}
         self.reward_fn = reward_fn
         self.group_filter = group_filter
         self.controller = controller

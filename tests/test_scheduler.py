@@ -931,3 +931,25 @@ def test_vocabulary_size_from_the_tokenizer_when_no_model_config():
 
     assert _vocab_size(SimpleNamespace(args=SimpleNamespace(hf_checkpoint="/nonexistent"), tokenizer=Tok())) == 321
     assert _vocab_size(SimpleNamespace(args=SimpleNamespace(hf_checkpoint="/nonexistent"), tokenizer=object())) is None
+
+
+def test_eos_ids_from_the_tokenizer_and_generation_config(tmp_path):
+    from types import SimpleNamespace
+
+    from april_slime.rollout import _eos_token_ids
+
+    class Tok:
+        eos_token_id = 5
+
+    codec = SimpleNamespace(args=SimpleNamespace(hf_checkpoint=str(tmp_path)), tokenizer=Tok())
+    sched = RolloutScheduler(AprilConfig.from_dict({"policy": "sync"}), FakeClient(), PartialBuffer(),
+                             rollout_batch_size=1, n_samples_per_prompt=1, sampling_params={},
+                             eos_token_id=[5, 7])
+    assert sched.stop_token_ids == {5, 7}
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 5]}')
+    try:
+        import transformers  # noqa: F401
+    except ImportError:  # the fast tier: the tokenizer's id only
+        assert _eos_token_ids(codec) == [5]
+    else:
+        assert _eos_token_ids(codec) == [5, 7]
