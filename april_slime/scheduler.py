@@ -326,8 +326,8 @@ class _Step:
     """State of one ``run_step`` call, owned here and nowhere else. Every group of the step is in
     exactly one of: ``resume`` (taken from the buffer, not opened), ``fresh`` (from the prompt
     source, not opened), ``active`` (opened, unfinished trajectories), ``rewarding``, ``accepted``,
-    ``surplus``, ``unjudged`` (completed but not judged: while draining or recovering, or its
-    reward was cut off), or ``dropped`` (discarded, with its reason)."""
+    ``surplus``, ``unjudged`` (completed but not judged: while recovering, or its reward was cut
+    off by the drain deadline), or ``dropped`` (discarded, with its reason)."""
 
     def __init__(self, sched: RolloutScheduler, prompt_source: PromptSource, current_version: int):
         self.s = sched
@@ -686,7 +686,7 @@ class _Step:
 
     # ------------------------------------------------------------------ groups
     def _on_group_complete(self, group: Group) -> None:
-        if self.draining:
+        if self.phase == "recover":
             self.unjudged.append(group)
             return
         needs_reward = self.s.reward_fn is not None and any(t.reward is None for t in group.trajectories)

@@ -953,3 +953,24 @@ def test_eos_ids_from_the_tokenizer_and_generation_config(tmp_path):
         assert _eos_token_ids(codec) == [5]
     else:
         assert _eos_token_ids(codec) == [5, 7]
+
+
+def test_groups_completing_during_the_drain_are_rewarded_and_judged_as_surplus():
+    """Requests on an engine that ignores the abort finish on their own during the drain: their
+    groups are surplus like any other (rewarded, judged), not buffered unrewarded."""
+
+    async def main():
+        async def reward(group):
+            await asyncio.sleep(0.01)
+            for t in group.trajectories:
+                t.reward = 1.0
+
+        client = FakeClient(token_time=0.02, long_frac=0.5)
+        client.abort_hangs = {client.engine_urls[0]}
+        sched, _, buffer = make("copris", client=client, batch=2, n=2, concurrency=12, reward_fn=reward)
+        res = await bounded(sched, Prompts(2), 0)
+        complete = [g for g in buffer.groups() if g.complete]
+        assert complete and res.metrics["april/surplus_groups"] == len(complete)
+        assert all(t.reward == 1.0 for g in complete for t in g.trajectories)
+
+    run_virtual(main())
