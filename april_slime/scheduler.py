@@ -25,8 +25,8 @@ fill -> engine calls -> reply handling -> groups -> result / buffer.
 2. reply: append each reply to its trajectory, complete, reward and judge groups, refill.
 3. drain (target reached): abort what still runs and collect the replies, until
    ``drain_timeout_s`` at most.
-4. recover (any error, or cancellation): the same drain, then every group of the step goes back
-   to the buffer.
+4. recover (any error): the same drain, then every group of the step goes back to the buffer;
+   a cancellation puts every group back at once, without draining.
 
 Group life: a group counts once all of its trajectories finished (COMPLETED or TRUNCATED);
 finished members of unfinished groups stay with their group (CoPRIS eq. 7) and are never
