@@ -739,26 +739,27 @@ class _Step:
             self.surplus.append(group)
 
     # ------------------------------------------------------------------ engine health in a step
-    def _until_stall_check(self) -> float | None:
+    def _stall_deadlines(self) -> dict[str, float]:
+        """Busy engines not being probed -> the time at which their silence counts as a stall."""
         after = self.s.stall_probe_after_s
         if after is None:
-            return None
-        now = self.loop.time()
-        due = [self.last_activity[u] + after - now for u, n in self.engine_in_flight.items()
-               if n > 0 and u not in self.probes]
-        return max(min(due), 0.0) if due else None
+            return {}
+        return {u: self.last_activity[u] + after for u, n in self.engine_in_flight.items()
+                if n > 0 and u not in self.probes}
+
+    def _until_stall_check(self) -> float | None:
+        deadlines = self._stall_deadlines()
+        return max(min(deadlines.values()) - self.loop.time(), 0.0) if deadlines else None
 
     def _check_stalls(self) -> None:
         """An engine with requests in flight and no reply for ``stall_probe_after_s`` gets a health
         probe; if that fails too, its calls are moved to other engines (``_on_probe``)."""
-        after = self.s.stall_probe_after_s
-        if after is None:
-            return
-        now = self.loop.time()
-        for url, n in self.engine_in_flight.items():
-            if n > 0 and url not in self.probes and now - self.last_activity[url] >= after:
+        # a millisecond of slack: a timer set for the deadline may fire a rounding error early
+        now = self.loop.time() + 1e-3
+        for url, deadline in self._stall_deadlines().items():
+            if now >= deadline:
                 logger.warning("engine %s: %d requests in flight and no reply for %.0f s; probing it",
-                               url, n, now - self.last_activity[url])
+                               url, self.engine_in_flight[url], now - self.last_activity[url])
                 self._start_probe(url)
 
     def _start_probe(self, url: str) -> None:
