@@ -108,9 +108,9 @@ class AprilConfig:
                                        f"one call at most {MAX_TOTAL_RETRY_BACKOFF_S:.0f} s)."})
     buffer_dir: str | None = field(
         default=None,
-        metadata={"help": "Folder of the partial-buffer checkpoint (april_state_<rollout_id>.json); default: "
-                          "<args.save>/rollout (loaded from <args.load>/rollout), next to slime's "
-                          "own data-source state."},
+        metadata={"help": "Folder of the data-source checkpoint (april_state_<rollout_id>.json: prompt "
+                          "position and partial buffer); default: <args.save>/rollout (loaded from "
+                          "<args.load>/rollout), next to slime's own data-source state."},
     )
     # ---------------------------------------------------------------- loss side
     is_mode: str = field(
@@ -243,8 +243,6 @@ class AprilConfig:
         if self.adaptive_concurrency and self.policy != "copris":
             _fail("adaptive_concurrency", f"needs april_policy: copris (it tunes the requests in flight, "
                                           f"which only copris holds fixed), got policy {self.policy!r}")
-        if self.concurrency is not None and self.policy != "copris":
-            _fail("concurrency", f"only the copris policy reads it, got policy {self.policy!r}")
         if self.max_concurrency is not None and not self.adaptive_concurrency:
             _fail("max_concurrency", "only read with april_adaptive_concurrency: true")
         if self.adaptive_concurrency and self.concurrency is not None:
@@ -315,9 +313,7 @@ def custom_config_keys(args: Any) -> set[str]:
 
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
-    except (OSError, ImportError, ValueError):
-        return set()
-    except Exception:  # yaml.YAMLError: slime parsed it already, so this is a changed file
+    except Exception:  # unreadable here (another node's path), or changed since slime parsed it
         return set()
     return {str(k) for k in data} if isinstance(data, dict) else set()
 

@@ -64,7 +64,10 @@ def write_text_atomic(path: str | os.PathLike, text: str, *,
             os.fsync(f.fileno())
         point("tmp_synced")
         os.replace(tmp, path)
-    except BaseException:
+    except Exception:
+        # An error of ours: nothing half-written stays. A BaseException that is not an Exception
+        # (a simulated kill, KeyboardInterrupt) leaves the file as a kill would; the next save or
+        # load in the folder removes it (remove_stale_tmp).
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise

@@ -455,7 +455,7 @@ class AprilDataSource:
         if self.args.save:
             checkpoint.sync_slime_state(Path(self.args.save) / "rollout", rollout_id)
         checkpoint.at_save_point("prompt_state_written")
-        write_text_atomic(path, snapshot.text, at_point=checkpoint.at_save_point)
+        write_text_atomic(path, snapshot.text(), at_point=checkpoint.at_save_point)
         checkpoint.at_save_point("end")
         logger.info("saved the data-source state of rollout %d (%d buffered groups, %d partial samples) "
                     "to %s", rollout_id, len(self.buffer), self.buffer.num_partial_trajectories(), path)

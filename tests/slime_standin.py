@@ -280,10 +280,10 @@ _MODULES = {
 }
 
 
-def install(monkeypatch) -> str:
-    """Put the stand-in into ``sys.modules`` (undone by ``monkeypatch``) unless real slime imports.
-    Returns ``"real"`` or ``"standin"``."""
-    if real_slime_importable():
+def install(monkeypatch, force: bool = False) -> str:
+    """Put the stand-in into ``sys.modules`` (undone by ``monkeypatch``) unless real slime imports
+    (or always, with ``force``). Returns ``"real"`` or ``"standin"``."""
+    if not force and real_slime_importable():
         return "real"
     for name, attrs in _MODULES.items():
         module = types.ModuleType(name)

@@ -160,7 +160,6 @@ def test_an_empty_setting_in_the_yaml_stops_the_job(tmp_path):
     ({"buffer_dir": ""}, "april_buffer_dir"),
     ({"policy": "sync", "adaptive_concurrency": True}, "april_adaptive_concurrency"),
     ({"policy": "april", "adaptive_concurrency": True}, "april_adaptive_concurrency"),
-    ({"policy": "sync", "concurrency": 64}, "april_concurrency"),
     ({"max_concurrency": 64}, "april_max_concurrency"),
     ({"adaptive_concurrency": True, "concurrency": 64, "max_concurrency": 32}, "april_concurrency"),
     ({"adaptive_concurrency": True, "concurrency": 4, "min_concurrency": 8}, "april_concurrency"),

@@ -402,6 +402,27 @@ def test_a_restart_from_n_loses_and_repeats_nothing(cluster, tmp_path, prompts, 
     assert handed_out_by_1 <= set(trained) | set(buffered)
 
 
+def test_a_snapshot_does_not_follow_later_changes_to_the_buffer(slime_mode, tmp_path, prompts):
+    from april_slime.types import TrajectoryStatus
+
+    args = make_args(tmp_path, prompts)
+    source = rollout.AprilDataSource(args)
+    group = source.next_groups(1, 1)[0]
+    t = group.trajectories[0]
+    t.append([9, 9], [-0.5, -0.5], 1)
+    t.status = TrajectoryStatus.ABORTED
+    source.buffer.put(group)
+    source.snapshot(0)
+    saved = json.loads(json.dumps(source.buffer.state_dict()))
+    # rollout 1 resumes the group in place and changes its payload
+    t.append([8], [-0.1], 2)
+    group.payload["prompt_sample"]["label"] = "changed"
+    source.buffer.restarted_groups += 1
+    source.save(0)
+    state = json.loads((tmp_path / "ckpt" / "rollout" / "april_state_0.json").read_text())
+    assert state["buffer"] == saved
+
+
 def test_snapshot_is_what_save_writes(slime_mode, tmp_path, prompts):
     """save(N) after rollout N+1 writes rollout N's state, and slime's own file agrees with ours."""
     args = make_args(tmp_path, prompts)

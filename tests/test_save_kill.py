@@ -1,6 +1,7 @@
 """Real SIGKILLs at every point of a data-source save, then a restart and a ledger check.
 
-A worker process runs rollout steps on ``AprilDataSource`` (prompts from slime's data source, the
+A worker process (on the slime stand-in here, on real slime's data source in
+``tests/real/test_checkpoint_real.py``) runs rollout steps on ``AprilDataSource`` (prompts from slime's data source, the
 stand-in here; partial groups into the buffer) under slime's ``train.py`` order (generate N, save N)
 or ``train_async.py`` order (generate N+1 before save N), and is killed with SIGKILL at one named
 point of save K (``APRIL_SLIME_SAVE_KILL_AT``, see ``april_slime.checkpoint``). A second process
@@ -33,19 +34,25 @@ sys.path.insert(0, os.environ["TESTS_DIR"])
 import slime_standin
 
 
-class _Install:  # slime_standin.install's monkeypatch, in a process that never undoes it
+class _Patch:  # the monkeypatch slime_standin expects, in a process that never undoes it
     def setitem(self, mapping, key, value):
         mapping[key] = value
 
+    def setattr(self, target, name, value, raising=True):
+        setattr(target, name, value)
 
-slime_standin.install(_Install())
+
+cfg = json.loads(sys.argv[1])
+if slime_standin.install(_Patch(), force=cfg["slime"] == "standin") == "real":
+    slime_standin.patch_real_tokenizer(_Patch())
 from april_slime import checkpoint, rollout
 from april_slime.types import TrajectoryStatus
 
-cfg = json.loads(sys.argv[1])
 args = SimpleNamespace(
     prompt_data=cfg["prompts"], input_key="prompt", label_key=None, rollout_global_dataset=True,
-    hf_checkpoint="toy", rollout_seed=1, rollout_shuffle=False, n_samples_per_prompt=2,
+    metadata_key="metadata", tool_key=None, multimodal_keys=None, apply_chat_template=False,
+    apply_chat_template_kwargs={}, rollout_max_prompt_len=None, dump_details=None, buffer_filter_path=None,
+    hf_checkpoint="toy", rollout_seed=1, rollout_shuffle=cfg["shuffle"], n_samples_per_prompt=2,
     rollout_batch_size=3, over_sampling_batch_size=3, rollout_max_response_len=16, rollout_top_p=1.0,
     save=cfg["ckpt"], load=cfg["ckpt"] if cfg["restart"] else None, april_policy="april")
 source = rollout.AprilDataSource(args)
@@ -124,11 +131,10 @@ def prompts(tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("loop", ["train", "train_async"])
-@pytest.mark.parametrize("point", checkpoint.SAVE_POINTS)
-def test_sigkill_at_every_point_of_a_save_loses_and_repeats_nothing(tmp_path, prompts, loop, point):
+def kill_and_restart(tmp_path, prompts, loop, point, slime="standin", shuffle=False) -> None:
+    """Kill save KILLED_SAVE at ``point``, restart, and check the ledger (see the module docstring)."""
     cfg = {"prompts": prompts, "ckpt": str(tmp_path / "ckpt"), "loop": loop, "point": point,
-           "kill_save": KILLED_SAVE, "restart": False}
+           "kill_save": KILLED_SAVE, "restart": False, "shuffle": shuffle, "slime": slime}
     rc, first = _run(cfg)
     assert rc == -9 and not any(e["kind"] == "finished" for e in first), "the save was not killed"
     rc, second = _run({**cfg, "restart": True})
@@ -162,6 +168,12 @@ def test_sigkill_at_every_point_of_a_save_loses_and_repeats_nothing(tmp_path, pr
     assert not lost_by_first
 
 
+@pytest.mark.parametrize("loop", ["train", "train_async"])
+@pytest.mark.parametrize("point", checkpoint.SAVE_POINTS)
+def test_sigkill_at_every_point_of_a_save_loses_and_repeats_nothing(tmp_path, prompts, loop, point):
+    kill_and_restart(tmp_path, prompts, loop, point)
+
+
 def test_the_write_fsyncs_the_file_then_the_folder_after_the_rename(tmp_path, monkeypatch):
     from april_slime import jsonfile
 
@@ -178,3 +190,49 @@ def test_the_write_fsyncs_the_file_then_the_folder_after_the_rename(tmp_path, mo
     assert [p.name.endswith(".tmp") for p, _ in synced] == [True, False]
     assert synced[0][1] is False  # the temporary file, before the rename
     assert synced[1] == (tmp_path, True)  # the folder, after the rename
+
+
+class SimulatedKill(BaseException):
+    """Raised by a save-point hook: leaves the disk as SIGKILL there would (for in-process soaks)."""
+
+
+@pytest.mark.parametrize("point", checkpoint.SAVE_POINTS)
+def test_an_in_process_hook_stops_a_save_where_a_kill_would(tmp_path, monkeypatch, point):
+    import slime_standin
+    from april_slime import rollout
+
+    slime_standin.install(monkeypatch, force=True)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"P{i}"}) + "\n" for i in range(20)))
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(prompt_data=str(prompts), input_key="prompt", label_key=None, hf_checkpoint="toy",
+                           n_samples_per_prompt=2, rollout_batch_size=2, rollout_max_response_len=8,
+                           save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"))
+    source = rollout.AprilDataSource(args)
+    source.next_groups(2, 1)
+    source.save(0)
+    source.next_groups(2, 1)
+
+    def hook(name):
+        if name == point:
+            raise SimulatedKill(name)
+
+    monkeypatch.setattr(checkpoint, "SAVE_POINT_HOOK", hook)
+    with pytest.raises(SimulatedKill):
+        source.save(1)
+    folder = tmp_path / "ckpt" / "rollout"
+    left = sorted(p.name for p in folder.iterdir())
+    assert any(n.endswith(".tmp") for n in left) == (point in ("tmp_partial", "tmp_synced"))
+    assert ("april_state_1.json" in left) == (point in ("renamed", "end"))
+    monkeypatch.setattr(checkpoint, "SAVE_POINT_HOOK", None)
+    restarted = rollout.AprilDataSource(args)
+    if point in ("renamed", "end"):
+        restarted.load(1)
+        assert restarted._prompts.sample_group_index == 4
+    else:
+        with pytest.raises(rollout.StateFileError, match="april_state_1.json: missing"):
+            restarted.load(1)
+        restarted.load(0)
+        assert restarted._prompts.sample_group_index == 2
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
