@@ -507,7 +507,9 @@ class _PolicyVersionClient:
     async def generate(self, *args: Any, **kwargs: Any):
         result = await self.client.generate(*args, **kwargs)
         if self.offset:
-            result = dataclasses.replace(result, weight_version=result.weight_version + self.offset)
+            result = dataclasses.replace(
+                result, weight_version=result.weight_version + self.offset,
+                version_runs=[[v + self.offset, n] for v, n in result.version_runs])
         return result
 
     async def weight_version(self, engine_url: str) -> int:
@@ -541,7 +543,7 @@ class _Runtime:
 
         fresh = await EngineClient.from_router(
             self.router_url, timeout_s=self.config.request_timeout_s, max_retries=self.config.max_retries,
-            retry_backoff_s=self.config.retry_backoff_s)
+            retry_backoff_s=self.config.retry_backoff_s, vocab_size=_vocab_size(self.codec))
         if self.client is not None and fresh.engine_urls == self.client.engine_urls:
             await fresh.close()
             return
@@ -569,11 +571,24 @@ class _Runtime:
             group_filter=self._keep_group if self.filter_fn is not None else None,
             controller=self.controller,
             over_sampling_batch_size=_explicit_over_sampling(args),
+            eos_token_id=_eos_token_ids(self.codec),
         )
 
     async def _policy_version(self) -> int:
-        """The engines' current weight version, in the job's continuous numbering."""
-        raw = await asyncio.gather(*(self.client.client.weight_version(u) for u in self.client.engine_urls))
+        """The engines' current weight version, in the job's continuous numbering. Asks only the
+        engines the scheduler dispatches to, and needs one answer: an engine that stopped
+        answering must not hold up the step (the scheduler's health probes bring it back)."""
+        urls = self.scheduler.health.usable()
+        replies = await asyncio.gather(*(self.client.client.weight_version(u) for u in urls),
+                                       return_exceptions=True)
+        raw = [r for r in replies if not isinstance(r, BaseException)]
+        for url, r in zip(urls, replies):
+            if isinstance(r, BaseException):
+                if not isinstance(r, Exception):
+                    raise r
+                logger.warning("engine %s did not report its weight version: %s", url, r)
+        if not raw:
+            raise next(r for r in replies if isinstance(r, BaseException))
         if len(set(raw)) > 1:
             logger.warning("rollout engines report different weight versions %s; using the newest", raw)
         newest = max(raw)
@@ -650,6 +665,47 @@ class _Runtime:
         if self.client is not None:
             await self.client.close()
             self.client = None
+
+
+def _vocab_size(codec: "_SampleCodec") -> int | None:
+    """Size of the model's vocabulary (its embedding rows), which every token id sent to or
+    received from an engine must stay below: the checkpoint's config when it can be read, else the
+    tokenizer's length, else unknown (then only ids >= 0 are checked)."""
+    path = getattr(codec.args, "hf_checkpoint", None)
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+        config = getattr(config, "text_config", None) or config
+        if isinstance(getattr(config, "vocab_size", None), int):
+            return config.vocab_size
+    except Exception as e:  # no transformers, or no config next to the tokenizer
+        logger.debug("vocabulary size not read from %s: %s", path, e)
+    try:
+        return len(codec.tokenizer)
+    except TypeError:
+        logger.warning("vocabulary size unknown (no model config, tokenizer without a length): token "
+                       "ids are only checked to be >= 0")
+        return None
+
+
+def _eos_token_ids(codec: "_SampleCodec") -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS and the checkpoint's
+    ``generation_config.json`` eos_token_id (an id or a list; chat models list several)."""
+    ids = []
+    eos = getattr(codec.tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.append(eos)
+    path = getattr(codec.args, "hf_checkpoint", None)
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except Exception as e:  # no transformers, or no generation config next to the tokenizer
+        logger.debug("no generation config read from %s: %s", path, e)
+        eos = None
+    ids += [eos] if isinstance(eos, int) else [t for t in (eos or []) if isinstance(t, int)]
+    return sorted(set(ids))
 
 
 def sampling_params(args: Any) -> dict[str, Any]:
