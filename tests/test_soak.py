@@ -246,6 +246,10 @@ class Soak:
     def start(self, load: int | None):
         args = SimpleNamespace(
             prompt_data=self.prompts_path, input_key="prompt", label_key=None, rollout_global_dataset=True,
+            # the rest of what real slime's RolloutDataSource reads, at slime's defaults
+            metadata_key="metadata", tool_key=None, multimodal_keys=None, apply_chat_template=False,
+            apply_chat_template_kwargs={}, rollout_max_prompt_len=None, dump_details=None,
+            buffer_filter_path=None,
             hf_checkpoint="toy", rollout_seed=1, rollout_shuffle=False, n_samples_per_prompt=N_SAMPLES,
             rollout_batch_size=BATCH, over_sampling_batch_size=BATCH, rollout_max_response_len=MAX_LEN,
             rollout_top_p=1.0, save=self.ckpt, load=self.ckpt if load is not None else None,
