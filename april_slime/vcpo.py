@@ -694,10 +694,11 @@ class VcpoRuntime:
         c = self.config
         return c.is_correction, c.is_low, c.is_high
 
-    def attach_model(self, model: Sequence[nn.Module], tp_rank: int = 0, tp_size: int = 1) -> None:
+    def attach_model(self, model: Sequence[nn.Module], tp_rank: int = 0, tp_size: int = 1, tp_group=None) -> None:
         if not self.config.vcpo_baseline or self.grad_norms is not None:
             return
-        self.grad_norms = PerSampleGradNorms(model, weighted=True, tp_rank=tp_rank, tp_size=tp_size)
+        self.grad_norms = PerSampleGradNorms(model, weighted=True, tp_rank=tp_rank, tp_size=tp_size,
+                                             tp_group=tp_group)
         self._params = [p for chunk in model for p in chunk.parameters() if p.requires_grad]
 
     def begin_step(self) -> None:
@@ -769,7 +770,6 @@ def check_settings(args: Any, config: AprilConfig) -> None:
     checks = [
         (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1,
         (getattr(args, "context_parallel_size", 1) or 1) > 1,
-        bool(getattr(args, "sequence_parallel", False)),
         bool(getattr(args, "overlap_grad_reduce", False)),
         bool(getattr(args, "use_kl_loss", False)),
         float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0,
@@ -781,7 +781,6 @@ def check_settings(args: Any, config: AprilConfig) -> None:
     reasons = [
         "pipeline parallelism (only the last stage sees the rewards)",
         "context parallelism (sequences split across ranks)",
-        "--sequence-parallel (norm-layer inputs split across TP ranks)",
         "--overlap-grad-reduce (gradients must stay local until the baseline is applied)",
         "--use-kl-loss (the baseline is defined for the pure policy-gradient loss)",
         "a non-zero --entropy-coef (same reason)",
@@ -814,7 +813,8 @@ def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_sch
             from megatron.core import mpu  # lazy: only inside a Megatron job
 
             _RUNTIME.attach_model(model, tp_rank=mpu.get_tensor_model_parallel_rank(),
-                                  tp_size=mpu.get_tensor_model_parallel_world_size())
+                                  tp_size=mpu.get_tensor_model_parallel_world_size(),
+                                  tp_group=mpu.get_tensor_model_parallel_group())
     rt = _RUNTIME
     if rt.lr_scaler is not None:
         rt.lr_scaler.wrap_optimizer(optimizer)
