@@ -171,6 +171,10 @@ class EssLrScaler:
 
 # ============================================================================ per-sample norms
 _KIND_LINEAR, _KIND_EMBEDDING, _KIND_LAYERNORM, _KIND_RMSNORM = "linear", "embedding", "layernorm", "rmsnorm"
+# Transformer Engine's fused LayerNormLinear (Megatron's TELayerNormColumnParallelLinear): a norm
+# with parameters layer_norm_weight (/ layer_norm_bias) feeding a linear (weight / bias) in one
+# module; attributes normalization ("LayerNorm" | "RMSNorm"), eps, zero_centered_gamma.
+_KIND_LN_LINEAR = "layernorm_linear"
 
 
 def _module_kind(module: nn.Module) -> str | None:
@@ -183,12 +187,27 @@ def _module_kind(module: nn.Module) -> str | None:
         return _KIND_RMSNORM
     if weight.dim() == 1 and "LayerNorm" in name and "Linear" not in name:
         return _KIND_LAYERNORM
+    if weight.dim() == 2 and isinstance(getattr(module, "layer_norm_weight", None), torch.Tensor):
+        return _KIND_LN_LINEAR
     if weight.dim() == 2 and (isinstance(module, nn.Embedding) or hasattr(module, "vocab_start_index")
                               or name.endswith("Embedding")):
         return _KIND_EMBEDDING
     if weight.dim() == 2 and (isinstance(module, nn.Linear) or name.endswith("Linear")):
         return _KIND_LINEAR
     return None
+
+
+def _eps(module: nn.Module, dtype: torch.dtype) -> float:
+    eps = getattr(module, "eps", None)
+    return torch.finfo(dtype).eps if eps is None else float(eps)
+
+
+def _normalize(x: torch.Tensor, is_layernorm: bool, eps: float) -> torch.Tensor:
+    if is_layernorm:
+        mean = x.mean(-1, keepdim=True)
+        var = x.var(-1, unbiased=False, keepdim=True)
+        return (x - mean) * torch.rsqrt(var + eps)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _main_output(output: Any) -> torch.Tensor | None:
@@ -280,8 +299,10 @@ class PerSampleGradNorms:
                 kind = _module_kind(module)
                 if kind is None:
                     continue
-                own = [p for p in (getattr(module, "weight", None), getattr(module, "bias", None))
-                       if isinstance(p, torch.Tensor) and p.requires_grad]
+                names = ("weight", "bias") + (("layer_norm_weight", "layer_norm_bias") if kind == _KIND_LN_LINEAR
+                                              else ())
+                own = [p for p in (getattr(module, n, None) for n in names)
+                       if isinstance(p, torch.Tensor) and p.requires_grad and p.numel()]
                 for p in own:
                     if id(p) in covered:
                         raise AprilConfigError(
@@ -400,7 +421,8 @@ class PerSampleGradNorms:
         # GEMM operands stay in the activations' dtype (bf16 on GPU: tensor cores, fp32
         # accumulation); reductions of squares and the second buffer are float32 or wider.
         b = grad.reshape(-1, grad.shape[-1])
-        b_split = self._token_layout(b.shape[0], total, "output gradient", module)
+        b_split = (self._token_layout(b.shape[0], total, "output gradient", module)
+                   if kind not in (_KIND_LAYERNORM, _KIND_RMSNORM) else False)
         if mb.sq_norms is None:
             mb.sq_norms = torch.zeros(mb.num_samples, dtype=acc, device=grad.device)
         weight = module.weight
@@ -430,22 +452,21 @@ class PerSampleGradNorms:
         elif kind == _KIND_EMBEDDING:
             b = self._gather_tokens(b) if b_split else b
             self._embedding(module, inp.reshape(-1), b.to(acc), mb, sq)
+        elif kind == _KIND_LN_LINEAR:
+            self._layernorm_linear(module, inp, b, b_split, mb, sq, acc, total)
         else:
-            x = inp.reshape(-1, inp.shape[-1]).to(acc)
-            split = self._token_layout(x.shape[0], total, "input", module)
-            eps = getattr(module, "eps", None)
-            if eps is None:
-                eps = torch.finfo(inp.dtype).eps
-            if kind == _KIND_LAYERNORM:
-                mean = x.mean(-1, keepdim=True)
-                var = x.var(-1, unbiased=False, keepdim=True)
-                xhat = (x - mean) * torch.rsqrt(var + eps)
-            else:
-                xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-            b = b.to(acc)
-            self._segment_sum_param(weight, xhat * b, mb, sq, split=split)
+            d = inp.shape[-1]
+            x = inp.reshape(-1, d).to(acc)
+            # a norm over heads (Qwen3's q/k layernorm) sees several rows per token
+            per_token_rows = max(x.shape[0] // total, 1) if x.shape[0] % total == 0 else 1
+            tokens = x.shape[0] // per_token_rows
+            split = self._token_layout(tokens, total, "input", module)
+            xhat = _normalize(x, kind == _KIND_LAYERNORM, _eps(module, inp.dtype))
+            b = grad.reshape(-1, d).to(acc)
+            wgrad = (xhat * b).reshape(tokens, per_token_rows, d).sum(1)
+            self._segment_sum_param(weight, wgrad, mb, sq, split=split)
             if bias is not None:
-                self._segment_sum_param(bias, b, mb, sq, split=split)
+                self._segment_sum_param(bias, b.reshape(tokens, per_token_rows, d).sum(1), mb, sq, split=split)
 
         mb.sq_norms += sq
         if mb.coeffs is not None:
@@ -453,6 +474,52 @@ class PerSampleGradNorms:
             num, den = (c * sq).sum(), sq.sum()
             self.num = num if self.num is None else self.num + num
             self.den = den if self.den is None else self.den + den
+
+    def _layernorm_linear(self, module, inp, b, b_split, mb, sq, acc, total) -> None:
+        """Transformer Engine's LayerNormLinear: ``y = W norm(x) + c``, norm weight g (bias beta).
+
+        The norm output ``n = xhat * g' + beta`` (``g' = 1 + g`` with zero-centred gamma) is
+        recomputed from the input; the linear's per-sample gradient is ``sum_t b_t n_t^T`` and the
+        norm's per-token gradients are ``xhat * u`` and ``u`` with ``u = b W`` (the gradient
+        reaching ``n``). Column-parallel TP: ``u`` from a weight shard is partial, so the per-sample
+        rows are summed over the TP group before squaring; with sequence parallelism the input is
+        this rank's slice and ``n`` is gathered (TE gathers it the same way inside the module).
+        """
+        weight = module.weight
+        bias = getattr(module, "bias", None)
+        bias = bias if isinstance(bias, torch.Tensor) and bias.requires_grad and bias.numel() else None
+        gamma = module.layer_norm_weight
+        beta = getattr(module, "layer_norm_bias", None)
+        beta = beta if isinstance(beta, torch.Tensor) and beta.requires_grad and beta.numel() else None
+        x = inp.reshape(-1, inp.shape[-1]).to(acc)
+        x_split = self._token_layout(x.shape[0], total, "input", module)
+        is_layernorm = str(getattr(module, "normalization", "LayerNorm")) == "LayerNorm"
+        xhat = _normalize(x, is_layernorm, _eps(module, inp.dtype))
+        if x_split:
+            xhat = self._gather_tokens(xhat)
+        g_eff = gamma.detach().to(acc) + (1.0 if getattr(module, "zero_centered_gamma", False) else 0.0)
+        n = xhat * g_eff + (beta.detach().to(acc) if beta is not None else 0.0)
+        b_full = self._gather_tokens(b) if b_split else b
+        self._linear(weight, n.to(b.dtype), b_full, mb, sq, self._counts(weight))
+        if bias is not None:
+            self._segment_sum_param(bias, b_full.to(acc), mb, sq, split=False,
+                                    local=b.to(acc) if b_split else None)
+        u = b_full.to(acc) @ weight.detach().to(acc)  # [S, h], this shard's part of d loss / d n
+        tp = self.tp_size > 1
+        for p, per_token in ((gamma, xhat * u), (beta, u)):
+            if p is None:
+                continue
+            rows = self._rows(per_token, mb)
+            full = rows.clone()
+            if tp:
+                dist.all_reduce(full, group=self.tp_group)
+            if self.tp_rank == 0:
+                sq += full.pow(2).sum(-1)
+            if self.weighted:
+                # sequence parallel: Megatron sums these replicated gradients over the group, so
+                # each rank keeps its partial rows; otherwise every rank holds the full gradient
+                q_rows = rows if x_split else full
+                self._add_weighted(p, (mb.coeffs.to(q_rows) @ q_rows).reshape(p.shape))
 
     def _add_weighted(self, p: torch.Tensor, value: torch.Tensor) -> None:
         buf = self.weighted_grads.get(p)
