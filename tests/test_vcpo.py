@@ -518,3 +518,23 @@ def test_fused_layernorm_linear_and_per_head_norm_match_per_sample_grad(normaliz
     for p, q in zip(params, ref_q):
         torch.testing.assert_close(tracker.weighted_grads[p], q, rtol=1e-9, atol=1e-12)
     tracker.remove()
+
+
+@pytest.mark.parametrize("mode", ["april", "copris"])
+def test_launcher_vcpo_configuration_runs_the_baseline(mode):
+    # what examples/qwen3-4B-dapo-math/common.sh passes with VCPO_HOOK=1: the <mode>-vcpo.yaml
+    # keys on args, custom loss, no KL loss, tensor parallelism 2 with sequence parallelism
+    import pathlib
+
+    import yaml
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "qwen3-4B-dapo-math" / "configs" / f"{mode}-vcpo.yaml"
+    args = SimpleNamespace(**yaml.safe_load(path.read_text()), loss_type="custom_loss", use_kl_loss=False,
+                           entropy_coef=0.0, advantage_estimator="grpo", sequence_parallel=True,
+                           tensor_model_parallel_size=2, pipeline_model_parallel_size=1, context_parallel_size=1,
+                           use_rollout_logprobs=True)
+    from april_slime.config import AprilConfig
+
+    config = AprilConfig.from_args(args)
+    assert config.vcpo_baseline and config.vcpo_lr_scaling
+    vcpo.check_settings(args, config)  # nothing refused
