@@ -23,11 +23,15 @@ that slime's ``sum_of_sample_mean`` expects. Without CP (or without slime) both 
 Metrics. slime sums every metric over micro-batches and data-parallel ranks and divides by the
 step's sample count (or token count with ``--calculate-per-token-loss``), so each metric here is a
 per-token quantity passed through ``sum_of_sample_mean``: the logged value is its mean over samples
-of the per-sample token mean. Non-additive statistics are reported through additive parts:
+of the per-sample token mean. Samples without a trained token still count in slime's divisor
+and the loss cannot see the step's count of trained samples, so ``april/trained_frac`` (the
+fraction of the step's samples with a trained token) is reported and every other ``april/``
+sample metric reads "sum over trained samples / all samples": divide by ``trained_frac`` for the
+mean over trained samples. Non-additive statistics are reported through additive parts:
 
 * ``april/seq_weight`` and ``april/seq_weight_sq``: mean of the unclipped sequence weight
   w = prod pi_old / pi_rollout and of w^2; the step's ESS ratio is
-  ``seq_weight**2 / seq_weight_sq`` (log-weights clamped to +-20 before exp).
+  ``seq_weight**2 / (trained_frac * seq_weight_sq)`` (log-weights clamped to +-20 before exp).
 * ``april/ess_ratio_microbatch``: ESS/N of each micro-batch, averaged over samples.
 * ``april/ratio_max``: mean over samples of each sample's largest clip ratio.
 * per staleness bucket b (``stale0``, ``stale1``, ``stale2``, ``stale3+``): ``tokens`` is the mean
@@ -521,6 +525,8 @@ def tis(
     log-probs pi_old, ``rollout_log_probs`` the behaviour log-probs. With ``--use-tis`` the loss is
     multiplied by the corrected weight c(pi_old / pi_rollout) at ``april_is_level``; MIS also drops
     the rejected tokens from the returned masks (slime then leaves them out of every numerator).
+    ``train_metadata`` (each sample's ``Sample.train_metadata``, passed by the repository's slime
+    patch) gives the staleness metrics, as in the custom loss.
     Without ``--use-tis`` (``--get-mismatch-metrics``) nothing but the metrics changes. Metrics are
     flat per-token tensors, which slime reduces with its pre-rejection ``sum_of_sample_mean``.
     """
