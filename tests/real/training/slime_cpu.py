@@ -101,10 +101,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def gloo_world(tp: int = 1):
-    """A one-process gloo job with Megatron's model-parallel groups and slime on the CPU."""
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                         world_size=1)
+def gloo_world(tp: int = 1, rank: int = 0, world_size: int = 1, port: int | None = None):
+    """A gloo job with Megatron's model-parallel groups and slime on the CPU (one process unless
+    ``world_size`` says otherwise; the remaining ranks are data parallel)."""
+    port = free_port() if port is None else port
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=world_size)
     parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=1)
     slime_accelerator.set_accelerator(CpuAccelerator())
     dynamo_disabled = torch._dynamo.config.disable
