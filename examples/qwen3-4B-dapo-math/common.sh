@@ -113,13 +113,16 @@ if [ "$MODE" != "slime" ]; then
 fi
 
 # ------------------------------------------------- april_slime loss side (owned by docs/loss.md, docs/vcpo.md)
-# copris-mode custom loss: the ratio is taken against the rollout log-probs, so slime's separate
+# A custom loss in copris mode takes its ratio against the rollout log-probs, so slime's separate
 # log-prob forward before each step is not needed; --use-rollout-logprobs skips it (slime runs it
-# for every --loss-type but policy_loss otherwise).
-if [ "$MODE" = "april" ] || [ "$MODE" = "copris" ]; then
-   if [ "$LOSS_HOOK" = "custom_loss" ]; then
-      APRIL_ARGS+=(--use-rollout-logprobs)
-   fi
+# for every --loss-type but policy_loss otherwise). decoupled (the default configs) needs it.
+loss_config="${HERE}/configs/${MODE}.yaml"
+if [ "$VCPO_HOOK" = "1" ]; then
+   loss_config="${HERE}/configs/${MODE}-vcpo.yaml"
+fi
+if [ "$LOSS_HOOK" = "custom_loss" ] && [ -f "$loss_config" ] \
+      && grep -q '^april_is_mode: copris' "$loss_config"; then
+   APRIL_ARGS+=(--use-rollout-logprobs)
 fi
 # VCPO_HOOK=1 runs VCPO whole: ESS learning-rate scaling and the off-policy optimal baseline
 # (configs/<mode>-vcpo.yaml: sequence-level truncated IS). The baseline's advantages are the raw
