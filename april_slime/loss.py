@@ -23,11 +23,15 @@ that slime's ``sum_of_sample_mean`` expects. Without CP (or without slime) both 
 Metrics. slime sums every metric over micro-batches and data-parallel ranks and divides by the
 step's sample count (or token count with ``--calculate-per-token-loss``), so each metric here is a
 per-token quantity passed through ``sum_of_sample_mean``: the logged value is its mean over samples
-of the per-sample token mean. Non-additive statistics are reported through additive parts:
+of the per-sample token mean. Samples without a trained token still count in slime's divisor
+and the loss cannot see the step's count of trained samples, so ``april/trained_frac`` (the
+fraction of the step's samples with a trained token) is reported and every other ``april/``
+sample metric reads "sum over trained samples / all samples": divide by ``trained_frac`` for the
+mean over trained samples. Non-additive statistics are reported through additive parts:
 
 * ``april/seq_weight`` and ``april/seq_weight_sq``: mean of the unclipped sequence weight
   w = prod pi_old / pi_rollout and of w^2; the step's ESS ratio is
-  ``seq_weight**2 / seq_weight_sq`` (log-weights clamped to +-20 before exp).
+  ``seq_weight**2 / (trained_frac * seq_weight_sq)`` (log-weights clamped to +-20 before exp).
 * ``april/ess_ratio_microbatch``: ESS/N of each micro-batch, averaged over samples.
 * ``april/ratio_max``: mean over samples of each sample's largest clip ratio.
 * per staleness bucket b (``stale0``, ``stale1``, ``stale2``, ``stale3+``): ``tokens`` is the mean
@@ -266,6 +270,22 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(list(tensors)) if tensors else torch.zeros(0)
 
 
+def check_sample_lengths(response_lengths: list[int], **named: list[torch.Tensor] | None) -> None:
+    """Every per-sample tensor must cover its sample's response exactly (whole-response layout).
+
+    A total-only check lets one sample that is a token short and another a token long through,
+    and the loss then pairs every later token with its neighbour's log-probs.
+    """
+    for name, tensors in named.items():
+        if tensors is None:
+            continue
+        if len(tensors) != len(response_lengths):
+            raise ValueError(f"{name}: {len(tensors)} samples in the micro-batch, expected {len(response_lengths)}")
+        for i, (x, n) in enumerate(zip(tensors, response_lengths)):
+            if x.dim() != 1 or x.numel() != n:
+                raise ValueError(f"sample {i}: {name} has shape {tuple(x.shape)} but its response has {n} tokens")
+
+
 # ---------------------------------------------------------------------------- custom loss
 def policy_loss(
     args: Any,
@@ -303,11 +323,16 @@ def policy_loss(
                                    "--use-rollout-logprobs")
         old_log_probs = [lp.detach() for lp in log_probs]
 
-    whole_log_probs, packing = offpolicy.pack(layout.gather(log_probs))
-    whole_old = _flat(layout.gather(old_log_probs)).to(whole_log_probs.device)
-    whole_adv = _flat(layout.gather(batch["advantages"])).to(whole_log_probs)
-    whole_rollout = (_flat(layout.gather(rollout_log_probs)).to(whole_log_probs)
-                     if rollout_log_probs is not None else None)
+    gathered_log_probs = layout.gather(log_probs)
+    gathered_old = layout.gather(old_log_probs)
+    gathered_adv = layout.gather(batch["advantages"])
+    gathered_rollout = layout.gather(rollout_log_probs) if rollout_log_probs is not None else None
+    check_sample_lengths(response_lengths, log_probs=gathered_old, rollout_log_probs=gathered_rollout,
+                         advantages=gathered_adv, loss_masks=list(batch["loss_masks"]))
+    whole_log_probs, packing = offpolicy.pack(gathered_log_probs)
+    whole_old = _flat(gathered_old).to(whole_log_probs.device)
+    whole_adv = _flat(gathered_adv).to(whole_log_probs)
+    whole_rollout = _flat(gathered_rollout).to(whole_log_probs) if gathered_rollout is not None else None
     mask = _flat(batch["loss_masks"]).to(whole_log_probs.device)
     packing.check("loss_masks", mask)
 
@@ -361,6 +386,7 @@ def policy_loss(
 
     behaviour_ratio = offpolicy.safe_exp(objective.behaviour_log_ratio)
     per_token = {
+        "trained_frac": torch.ones_like(objective.ratio),
         "ratio_mean": objective.ratio,
         "ratio_max": packing.expand(packing.max(objective.ratio, mask)),
         "is_weight_mean": objective.is_weight,
@@ -490,6 +516,7 @@ def tis(
     loss_masks: list[torch.Tensor],
     total_lengths: list[int] | None = None,
     response_lengths: list[int] | None = None,
+    train_metadata: list[dict | None] | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
     """slime TIS hook: ``(pg_loss, loss_masks, metrics)``.
@@ -498,6 +525,8 @@ def tis(
     log-probs pi_old, ``rollout_log_probs`` the behaviour log-probs. With ``--use-tis`` the loss is
     multiplied by the corrected weight c(pi_old / pi_rollout) at ``april_is_level``; MIS also drops
     the rejected tokens from the returned masks (slime then leaves them out of every numerator).
+    ``train_metadata`` (each sample's ``Sample.train_metadata``, passed by the repository's slime
+    patch) gives the staleness metrics, as in the custom loss.
     Without ``--use-tis`` (``--get-mismatch-metrics``) nothing but the metrics changes. Metrics are
     flat per-token tensors, which slime reduces with its pre-rejection ``sum_of_sample_mean``.
     """
@@ -514,11 +543,13 @@ def tis(
     if response_lengths is None:
         response_lengths = [int(m.numel()) for m in loss_masks]
     layout = _Layout(total_lengths, response_lengths)
-    whole_old, packing = offpolicy.pack([x.detach() for x in layout.gather(train_log_probs)])
-    whole_rollout = _flat(layout.gather(rollout_log_probs)).to(whole_old)
+    gathered_old = layout.gather(train_log_probs)
+    gathered_rollout = layout.gather(rollout_log_probs)
+    check_sample_lengths([int(n) for n in response_lengths], train_log_probs=gathered_old,
+                         rollout_log_probs=gathered_rollout, loss_masks=list(loss_masks))
+    whole_old, packing = offpolicy.pack([x.detach() for x in gathered_old])
+    whole_rollout = _flat(gathered_rollout).to(whole_old)
     mask = _flat(loss_masks).to(whole_old.device)
-    packing.check("loss_masks", mask)
-    packing.check("rollout_log_probs", whole_rollout)
     clean = offpolicy.check_finite({"train_log_probs": whole_old, "rollout_log_probs": whole_rollout}, mask, packing)
     behaviour = offpolicy.masked_log_ratio(clean["train_log_probs"], clean["rollout_log_probs"], mask)
 
@@ -535,12 +566,19 @@ def tis(
             loss_masks = [m * k.to(m.dtype) for m, k in zip(loss_masks, packing.split(weights.keep), strict=True)]
 
     sequence_log_weights = offpolicy.sequence_log_weights(behaviour, packing, mask)
+    behaviour_ratio = offpolicy.safe_exp(behaviour)
     per_token = {
-        "behaviour_ratio_mean": offpolicy.safe_exp(behaviour),
+        "trained_frac": torch.ones_like(behaviour),
+        "behaviour_ratio_mean": behaviour_ratio,
         "is_weight_mean": weights.weights,
         "truncated_frac": weights.truncated,
         "masked_frac": 1.0 - weights.keep,
         **_weight_metrics(packing, mask, sequence_log_weights),
     }
     metrics = {PREFIX + k: to_local(v).detach().clone() for k, v in per_token.items()}
+    # train_metadata is what patches/slime-forward-train-metadata.patch passes to this hook
+    versions = token_versions({"metadata": train_metadata}, [int(n) for n in response_lengths])
+    if versions is not None:
+        staleness = _staleness_metrics(versions, packing, behaviour_ratio, to_local)
+        metrics.update({PREFIX + k: v.detach().clone() for k, v in staleness.items()})
     return pg_loss, loss_masks, metrics

@@ -29,7 +29,10 @@ loss-masked tokens, formed as a sum in log space) and ``geometric`` (exp of the 
 With ``loss_level="sequence"`` (GSPO) the clipped ratio itself is the geometric mean over the
 sample, shared by all its tokens.
 
-Numerics: log-ratios are clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]`` before ``exp``.
+Numerics: log-ratios are clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]`` before ``exp``. Where
+the ratio carries the policy gradient (``bounded_exp``) the clamp bounds the value but passes the
+gradient through as that of ``exp`` at the clamped point, so a token far outside the bound still
+gets its (truncated) weight times its advantage instead of a silent zero.
 Non-finite log-probs (NaN/inf) at tokens the loss mask keeps raise :class:`NonFiniteLogProbError`
 naming the tensor, sample and token; at masked-out positions (padding, tool output) they are
 ignored, since those tokens never enter the loss.
@@ -177,6 +180,17 @@ def safe_exp(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
+def bounded_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp of ``log_ratio`` clamped to +-LOG_RATIO_BOUND, with the gradient of exp at the clamped
+    point (straight through the clamp): value ``exp(c)``, derivative ``exp(c) * d log_ratio``.
+
+    A plain clamp would pass no gradient beyond the bound; with this one a weight ``w / r`` formed
+    from the same clamped ``r`` turns the term into exactly ``w`` times the score.
+    """
+    clamped = log_ratio.detach().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return torch.exp(clamped + (log_ratio - log_ratio.detach()))
+
+
 def masked_log_ratio(log_p: torch.Tensor, log_q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log p - log q on masked-in tokens, 0 elsewhere (so masked tokens have ratio 1)."""
     return torch.where(mask.bool(), log_p - log_q, torch.zeros_like(log_p))
@@ -253,7 +267,7 @@ def ppo_clip_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token ``max(-r A, -clip(r) A)`` (optionally dual-clipped); returns (loss, clipped)."""
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
-    ratio = safe_exp(log_ratio)
+    ratio = bounded_exp(log_ratio)
     loss_unclipped = -ratio * advantages
     loss_clipped = -ratio.clamp(1.0 - eps_clip, 1.0 + eps_high) * advantages
     loss = torch.maximum(loss_unclipped, loss_clipped)
@@ -340,23 +354,44 @@ def policy_objective(
     elif mode == "decoupled":
         weight = correct_log_weights(
             level_log_weights(is_level, behaviour_log_ratio, packing, loss_mask), correction, is_low, is_high)
-    else:  # copris with TIS/MIS: scale by c(r)/r so the gradient is that of c(r) * A
-        current = level_log_weights(is_level, token_log_ratio.detach(), packing, loss_mask)
-        corrected = correct_log_weights(current, correction, is_low, is_high)
-        factor = corrected.weights / safe_exp(current)
-        weight = Correction(factor, corrected.keep, corrected.truncated)
+    else:
+        weight = _copris_correction(clip_log_ratio, token_log_ratio, packing, loss_mask, is_level, correction,
+                                    is_low, is_high)
     is_weight = weight.weights.detach()
+    keep = weight.keep.detach()
 
     return PolicyObjective(
         loss=token_loss * is_weight,
         ratio=safe_exp(clip_log_ratio.detach()),
-        clipped=clipped.detach(),
+        # tokens that MIS removed from the loss are not counted as clipped (slime counts kept ones)
+        clipped=clipped.detach() * keep,
         is_weight=is_weight,
-        keep=weight.keep.detach(),
+        keep=keep,
         truncated=weight.truncated.detach(),
         behaviour_log_ratio=behaviour_log_ratio,
         sequence_log_weights=sequence_log_weights(behaviour_log_ratio, packing, loss_mask),
     )
+
+
+def _copris_correction(
+    clip_log_ratio: torch.Tensor, token_log_ratio: torch.Tensor, packing: Packing, loss_mask: torch.Tensor,
+    is_level: str, correction: str, is_low: float, is_high: float,
+) -> Correction:
+    """copris with TIS/MIS: the factor ``sg(c(rho) / r)`` on each token's PPO term.
+
+    ``rho`` is pi_theta / pi_rollout at ``is_level``, ``c`` the truncation or mask and ``r`` the
+    ratio the PPO term multiplies (the token ratio, or GSPO's per-sample geometric mean), formed
+    with the same bound as ``bounded_exp``. Where PPO passes a gradient (unclipped branch) the
+    term becomes ``-c(rho) A`` with gradient ``-c(rho) A grad log r``: the corrected weight times
+    the score, whatever the level. At token level ``rho = r``. At sequence and geometric level
+    dividing by the token's own ``r`` rather than by ``rho`` is what keeps the gradient bounded by
+    the bounds: ``c(rho) / rho`` times a token ratio of order 1 grows like ``low / rho`` when
+    ``rho`` is tiny. Clipped tokens keep zero gradient (their value is ``clip(r) c(rho) / r``
+    times ``-A``).
+    """
+    current = level_log_weights(is_level, token_log_ratio.detach(), packing, loss_mask)
+    corrected = correct_log_weights(current, correction, is_low, is_high)
+    return Correction(corrected.weights / safe_exp(clip_log_ratio.detach()), corrected.keep, corrected.truncated)
 
 
 def reduce_loss(x: torch.Tensor, loss_mask: torch.Tensor, packing: Packing, how: str = "sample_mean") -> torch.Tensor:

@@ -308,3 +308,74 @@ def test_tis_hook_refuses_modes_it_cannot_express(mode):
     batch, pg_loss = tis_inputs(seed=13)
     with pytest.raises(AprilConfigError, match="TIS hook implements decoupled"):
         call_tis(make_args(use_tis=True, april_is_mode=mode), batch, pg_loss)
+
+
+# ------------------------------------------------------------------------ defects of issue 8
+def test_clip_fraction_counts_only_tokens_the_mask_keeps():
+    # copris + MIS at [0.8, 1.25]: every kept token has its ratio inside the PPO clip range
+    # [0.8, 1.28], so nothing that enters the loss is clipped; removed tokens must not count
+    batch, logits = make_batch(seed=21, spread=0.6)
+    args = make_args(april_is_mode="copris", april_is_correction="mask", april_is_low=0.8, april_is_high=1.25)
+    _, metrics = april_loss.policy_loss(args, batch, logits, reducer_for(batch))
+    assert metrics["april/masked_frac"].item() > 0.5  # the mask did remove tokens
+    assert metrics["pg_clipfrac"].item() == 0.0
+
+
+@pytest.mark.parametrize("key", ["rollout_log_probs", "log_probs", "advantages", "loss_masks"])
+def test_per_sample_lengths_are_checked_and_the_sample_named(key):
+    batch, logits = make_batch(seed=22)
+    # sample 0 one token short, sample 2 one token long: the total still matches
+    shifted = list(batch[key])
+    shifted[0], shifted[2] = shifted[0][:-1], torch.cat([shifted[2], shifted[2][-1:]])
+    bad = dict(batch, **{key: shifted})
+    with pytest.raises(ValueError, match=f"sample 0: {key} has shape"):
+        april_loss.policy_loss(make_args(april_is_mode="copris"), bad, logits, reducer_for(batch))
+
+
+@pytest.mark.parametrize("key", ["rollout_log_probs", "log_probs", "loss_masks"])
+def test_tis_hook_checks_per_sample_lengths(key):
+    batch, pg_loss = tis_inputs(seed=23)
+    shifted = list(batch[key])
+    shifted[1], shifted[3] = torch.cat([shifted[1], shifted[1]]), shifted[3][:-1]
+    bad = dict(batch, **{key: shifted})
+    name = "train_log_probs" if key == "log_probs" else key
+    with pytest.raises(ValueError, match=f"sample 1: {name} has shape"):
+        call_tis(make_args(use_tis=True), bad, pg_loss)
+
+
+def test_metrics_are_exact_under_slimes_per_sample_count_reduction():
+    # 8 samples, one removed (all-zero loss mask, as slime writes for remove_sample); slime sums
+    # every metric over the step and divides by the sample count 8
+    batch, logits = make_batch(seed=24, prompt_lengths=(2,) * 8, response_lengths=(3, 5, 2, 4, 6, 3, 4, 5),
+                               spread=0.5)
+    batch["loss_masks"][5] = torch.zeros_like(batch["loss_masks"][5])
+    batch["rollout_mask_sums"] = [m.sum().to(torch.float64) for m in batch["loss_masks"]]
+    n = 8
+
+    _, metrics = april_loss.policy_loss(make_args(april_is_mode="on_policy", april_is_correction="none"), batch,
+                                        logits, reducer_for(batch))
+    logged = {k: v.item() / n for k, v in metrics.items()}
+    assert logged["april/trained_frac"] == pytest.approx(7 / 8)
+    assert logged["april/is_weight_mean"] / logged["april/trained_frac"] == pytest.approx(1.0)
+
+    seq_w = torch.tensor([math.exp(float(((o - r) * m).sum())) for o, r, m in
+                          zip(batch["log_probs"], batch["rollout_log_probs"], batch["loss_masks"]) if m.any()],
+                         dtype=torch.float64)
+    true_ess_ratio = float(seq_w.sum() ** 2 / seq_w.square().sum() / seq_w.numel())
+    from_metrics = logged["april/seq_weight"] ** 2 / (logged["april/trained_frac"] * logged["april/seq_weight_sq"])
+    assert from_metrics == pytest.approx(true_ess_ratio, rel=1e-6)
+
+
+def test_tis_hook_reports_staleness_from_the_train_metadata_slime_passes():
+    batch, pg_loss = tis_inputs(seed=25)
+    metadata = [{"april_token_versions_rle": [[4, n - 1], [5, 1]], "april_policy_version": 5}
+                for n in batch["response_lengths"]]
+    _, _, metrics = april_loss.tis(
+        make_args(use_tis=True), pg_loss=pg_loss, train_log_probs=batch["log_probs"],
+        rollout_log_probs=batch["rollout_log_probs"], loss_masks=batch["loss_masks"],
+        total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"], train_metadata=metadata)
+    reduce = reducer_for(batch)
+    kept_stale = [float((m[:-1]).sum() / max(int(m.sum()), 1)) for m in batch["loss_masks"]]
+    assert reduce(metrics["april/offpolicy_token_frac"]).item() == pytest.approx(sum(kept_stale))
+    assert reduce(metrics["april/stale1/tokens"]).item() == pytest.approx(sum(kept_stale))
+    assert "april/stale0/ratio_mass" in metrics

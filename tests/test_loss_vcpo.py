@@ -78,10 +78,11 @@ class Schedule:
 
 @pytest.fixture
 def megatron(monkeypatch):
-    """The two Megatron calls before_train_step makes (TP rank/size, the model's config)."""
+    """The Megatron calls before_train_step makes (TP rank/size/group, the model's config)."""
     mpu = types.ModuleType("megatron.core.mpu")
     mpu.get_tensor_model_parallel_rank = lambda: 0
     mpu.get_tensor_model_parallel_world_size = lambda: 1
+    mpu.get_tensor_model_parallel_group = lambda: None
     utils = types.ModuleType("megatron.core.utils")
     utils.get_model_config = lambda model: model.config
     core = types.ModuleType("megatron.core")

@@ -53,8 +53,10 @@ def ref_objective(lp, old, roll, adv, mask, lengths, *, mode, level, correction,
             lw = ref_level_log_weight(behav, m, level)
             factors = [ref_correct(math.exp(x), correction, low, high)[0] for x in lw]
         elif mode == "copris" and correction != "none":
+            # sg(c(rho) / r): the gradient of the unclipped term is c(rho) A grad log r at every level
             cur = ref_level_log_weight([float(x.detach()) for x in token_lr], m, level)
-            factors = [ref_correct(math.exp(x), correction, low, high)[0] / math.exp(x) for x in cur]
+            factors = [ref_correct(math.exp(x), correction, low, high)[0] / math.exp(float(clip_lr[k].detach()))
+                       for k, x in enumerate(cur)]
         else:
             factors = [1.0] * n
         for k, j in enumerate(idx):
@@ -219,12 +221,11 @@ def test_objective_exercises_clipping_truncation_and_masking():
     ("on_policy", "token", "none", "token"),
     ("decoupled", "token", "truncate", "token"),
     ("decoupled", "geometric", "mask", "sequence"),
-    ("copris", "sequence", "mask", "token"),
-    ("copris", "token", "mask", "sequence"),
+    ("copris", "token", "none", "sequence"),
 ])
 def test_gradcheck(mode, level, correction, loss_level):
-    # copris with truncation multiplies by a stop-gradient factor that depends on pi_theta, which
-    # finite differences cannot respect; its gradient is checked against the loop reference above.
+    # copris with TIS/MIS multiplies by a stop-gradient factor c(rho) / q that depends on pi_theta,
+    # which finite differences cannot respect; its gradient is checked against the loop reference.
     lengths = [3, 1, 4]
     lp, old, roll, adv, mask = make_batch(lengths, seed=5, spread=0.2, drift=0.1)
     packing = op.Packing.from_lengths(lengths)
@@ -259,8 +260,9 @@ def test_copris_reduces_to_on_policy_ppo_when_rollout_equals_old(level, loss_lev
     copris = op.policy_objective(lp, old, old.clone(), adv, mask, packing, mode="copris", is_level=level,
                                  loss_level=loss_level)
     torch.testing.assert_close(copris.loss, ppo.loss)
-    # truncation with bounds wider than every ratio is a no-op too
-    wide = op.policy_objective(lp, old, old.clone(), adv, mask, packing, mode="copris", is_level="token",
+    # truncation with bounds wider than every ratio is a no-op too, at the level of the clipped ratio
+    matched = "token" if loss_level == "token" else "geometric"
+    wide = op.policy_objective(lp, old, old.clone(), adv, mask, packing, mode="copris", is_level=matched,
                                correction="truncate", is_low=0.01, is_high=100.0, loss_level=loss_level)
     torch.testing.assert_close(wide.loss, ppo.loss)
 
@@ -397,3 +399,58 @@ def test_approx_kl_estimators():
     torch.testing.assert_close(op.approx_kl(lp, base, "k3"), torch.exp(-lr) - 1 + lr)
     with pytest.raises(ValueError):
         op.approx_kl(lp, base, "k9")
+
+
+# ------------------------------------------------------------------------ defects of issue 8
+def test_mis_removed_tokens_are_not_counted_as_clipped():
+    lp, old, roll, adv, mask = make_batch(LENGTHS, seed=31, spread=0.6)
+    packing = op.Packing.from_lengths(LENGTHS)
+    obj = op.policy_objective(lp, old, roll, adv, mask, packing, mode="copris", correction="mask",
+                              is_low=0.8, is_high=1.25, eps_clip=0.2, eps_clip_high=0.28)
+    assert (obj.keep == 0).any()
+    assert (obj.clipped[obj.keep == 0] == 0).all()
+    assert obj.clipped.sum() == 0  # kept ratios lie in [0.8, 1.25], inside the clip range
+
+
+def test_truncated_weight_keeps_its_gradient_beyond_the_log_ratio_bound():
+    # copris + TIS at 2: a token 25 nats above its rollout log-prob, negative advantage. The
+    # gradient is the truncated weight times the advantage (d/dlp of -c A log pi = -2 * -1 = 2),
+    # not the zero a hard clamp at 20 nats would give.
+    packing = op.Packing.from_lengths([1])
+    lp = torch.tensor([0.0], dtype=F64, requires_grad=True)
+    roll = torch.tensor([-25.0], dtype=F64)
+    adv = torch.tensor([-1.0], dtype=F64)
+    obj = op.policy_objective(lp, lp.detach(), roll, adv, torch.tensor([1]), packing, mode="copris",
+                              correction="truncate", is_low=0.0, is_high=2.0)
+    obj.loss.sum().backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([2.0], dtype=F64))
+    torch.testing.assert_close(obj.loss.detach(), torch.tensor([2.0], dtype=F64))
+
+
+def test_sequence_level_truncation_gradient_is_the_truncated_weight_times_the_score():
+    # copris, sequence-level TIS with a lower bound: the gradient of each kept, unclipped token is
+    # c(rho) * A * grad log pi (docs/loss.md). Dividing by rho instead of the token ratio gave
+    # low / rho times the token ratio: thousands of times the uncorrected gradient.
+    lengths = [6, 9, 4, 7]
+    lp, old, roll, adv, mask = make_batch(lengths, seed=32, spread=0.9, drift=0.0)
+    mask = torch.ones_like(mask)
+    packing = op.Packing.from_lengths(lengths)
+    kw = dict(eps_clip=0.2, eps_clip_high=0.28)
+    obj = op.policy_objective(lp, old, roll, adv, mask, packing, mode="copris", is_level="sequence",
+                              correction="truncate", is_low=0.5, is_high=2.0, **kw)
+    op.reduce_loss(obj.loss, mask, packing).backward()
+    got = lp.grad.clone()
+
+    # reference: sum over samples of mean_t of -c(rho_i) A_t log pi_t on tokens PPO does not clip
+    lr = (lp.detach() - roll)
+    rho = packing.sum(lr).exp()
+    assert (rho < 0.5).any()  # the lower bound is active
+    c = rho.clamp(0.5, 2.0)
+    r = lr.exp()
+    active = ~(((adv > 0) & (r > 1.28)) | ((adv < 0) & (r < 0.8)))
+    x = lp.detach().clone().requires_grad_(True)
+    ref = -(packing.expand(c) * adv * x * active)
+    op.reduce_loss(ref, mask, packing).backward()
+    torch.testing.assert_close(got, x.grad)
+    # each token's gradient is at most the upper bound times |A| / n_i
+    assert (got.abs() <= 2.0 * adv.abs() / packing.expand(packing.lengths.to(F64)) + 1e-12).all()

@@ -436,3 +436,105 @@ def test_gpu_bench_script_runs_tiny_on_cpu(tmp_path):
     result = json.loads(out.read_text())
     assert [r["variant"] for r in result["rows"]] == ["plain", "norms", "opob"]
     assert all(r["step_s_median"] > 0 for r in result["rows"])
+
+
+# ------------------------------------------------------------- Transformer Engine's fused layers
+class LayerNormLinear(nn.Module):
+    """Transformer Engine's LayerNormLinear as Megatron's TELayerNormColumnParallelLinear sees it,
+    in plain torch (TE does not run on the CPU): parameters ``layer_norm_weight`` /
+    ``layer_norm_bias`` / ``weight`` / ``bias``, attributes ``normalization``, ``eps``,
+    ``zero_centered_gamma``; returns ``(output, bias)`` like Megatron's wrapper."""
+
+    def __init__(self, d_in, d_out, normalization, zero_centered_gamma):
+        super().__init__()
+        self.normalization, self.eps, self.zero_centered_gamma = normalization, 1e-5, zero_centered_gamma
+        g = torch.Generator().manual_seed(d_out)
+        self.layer_norm_weight = nn.Parameter(0.1 * torch.randn(d_in, generator=g, dtype=torch.float64))
+        if normalization == "LayerNorm":
+            self.layer_norm_bias = nn.Parameter(0.1 * torch.randn(d_in, generator=g, dtype=torch.float64))
+        self.weight = nn.Parameter(torch.randn(d_out, d_in, generator=g, dtype=torch.float64) / d_in ** 0.5)
+        self.bias = nn.Parameter(0.1 * torch.randn(d_out, generator=g, dtype=torch.float64))
+
+    def forward(self, x):
+        gamma = self.layer_norm_weight + (1.0 if self.zero_centered_gamma else 0.0)
+        if self.normalization == "LayerNorm":
+            n = nn.functional.layer_norm(x, (x.shape[-1],), gamma, self.layer_norm_bias, self.eps)
+        else:
+            n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * gamma
+        return nn.functional.linear(n, self.weight, self.bias), None
+
+
+class TEBlockLM(nn.Module):
+    """Embedding -> fused norm+qkv -> per-head RMSNorm on q (Qwen3's q_layernorm) -> fused
+    norm+fc1 -> fc2 -> head; token-wise, so packed samples do not interact."""
+
+    def __init__(self, normalization, zero_centered_gamma):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D, dtype=torch.float64)
+        self.qkv = LayerNormLinear(D, D, normalization, zero_centered_gamma)
+        self.q_norm = nn.RMSNorm(D // HEADS, dtype=torch.float64)
+        self.fc1 = LayerNormLinear(D, FF, normalization, zero_centered_gamma)
+        self.fc2 = nn.Linear(FF, D, dtype=torch.float64)
+        self.head = nn.Linear(D, VOCAB, bias=False, dtype=torch.float64)
+        with torch.no_grad():
+            self.q_norm.weight.add_(0.1 * torch.randn(D // HEADS, generator=torch.Generator().manual_seed(5),
+                                                      dtype=torch.float64))
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        h, _ = self.qkv(x)
+        h = self.q_norm(h.view(*h.shape[:-1], HEADS, D // HEADS)).view(h.shape)
+        x = x + h
+        f, _ = self.fc1(x)
+        return self.head(x + self.fc2(torch.nn.functional.gelu(f)))
+
+
+@pytest.mark.parametrize("normalization,zero_centered", [("LayerNorm", False), ("RMSNorm", True)])
+def test_fused_layernorm_linear_and_per_head_norm_match_per_sample_grad(normalization, zero_centered):
+    model = TEBlockLM(normalization, zero_centered)
+    lengths = [5, 3, 7]
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (sum(lengths),), generator=g)
+    segments = Packing.from_lengths(lengths).packed_segment_ids(sum(lengths) + 2)
+    tokens = torch.cat([tokens, torch.zeros(2, dtype=torch.long)])  # padding
+    coeffs = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+
+    def per_sample_nll():
+        lp = token_logprobs(model(tokens[None]), tokens[None])[0]
+        # a sample's first token is predicted from the previous sample's last position: left out
+        own = (segments[1:] == segments[:-1])
+        return torch.stack([-lp[1:][(segments[1:] == i) & own].sum() for i in range(len(lengths))])
+
+    params = [p for p in model.parameters()]
+    ref_sq, ref_q = torch.zeros(len(lengths), dtype=torch.float64), [torch.zeros_like(p) for p in params]
+    for i in range(len(lengths)):
+        grads = torch.autograd.grad(per_sample_nll()[i], params)
+        ref_sq[i] = sum(gr.pow(2).sum() for gr in grads)
+        ref_q = [q + coeffs[i] * gr for q, gr in zip(ref_q, grads)]
+    tracker = PerSampleGradNorms(model, weighted=True)
+    tracker.set_microbatch(segments, len(lengths), coeffs)
+    per_sample_nll().sum().backward()
+    torch.testing.assert_close(tracker.last_sq_norms, ref_sq, rtol=1e-9, atol=0)
+    for p, q in zip(params, ref_q):
+        torch.testing.assert_close(tracker.weighted_grads[p], q, rtol=1e-9, atol=1e-12)
+    tracker.remove()
+
+
+@pytest.mark.parametrize("mode", ["april", "copris"])
+def test_launcher_vcpo_configuration_runs_the_baseline(mode):
+    # what examples/qwen3-4B-dapo-math/common.sh passes with VCPO_HOOK=1: the <mode>-vcpo.yaml
+    # keys on args, custom loss, no KL loss, tensor parallelism 2 with sequence parallelism
+    import pathlib
+
+    import yaml
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "qwen3-4B-dapo-math" / "configs" / f"{mode}-vcpo.yaml"
+    args = SimpleNamespace(**yaml.safe_load(path.read_text()), loss_type="custom_loss", use_kl_loss=False,
+                           entropy_coef=0.0, advantage_estimator="grpo", sequence_parallel=True,
+                           tensor_model_parallel_size=2, pipeline_model_parallel_size=1, context_parallel_size=1,
+                           use_rollout_logprobs=True)
+    from april_slime.config import AprilConfig
+
+    config = AprilConfig.from_args(args)
+    assert config.vcpo_baseline and config.vcpo_lr_scaling
+    vcpo.check_settings(args, config)  # nothing refused

@@ -117,6 +117,38 @@ if [ "$MODE" != "slime" ]; then
    fi
 fi
 
+# ------------------------------------------------- april_slime loss side (owned by docs/loss.md, docs/vcpo.md)
+# A custom loss in copris mode takes its ratio against the rollout log-probs, so slime's separate
+# log-prob forward before each step is not needed; --use-rollout-logprobs skips it (slime runs it
+# for every --loss-type but policy_loss otherwise). decoupled (the default configs) needs it.
+loss_config="${HERE}/configs/${MODE}.yaml"
+if [ "$VCPO_HOOK" = "1" ]; then
+   loss_config="${HERE}/configs/${MODE}-vcpo.yaml"
+fi
+if [ "$LOSS_HOOK" = "custom_loss" ] && [ -f "$loss_config" ] \
+      && grep -q '^april_is_mode: copris' "$loss_config"; then
+   APRIL_ARGS+=(--use-rollout-logprobs)
+fi
+# VCPO_HOOK=1 runs VCPO whole: ESS learning-rate scaling and the off-policy optimal baseline
+# (configs/<mode>-vcpo.yaml: sequence-level truncated IS). The baseline's advantages are the raw
+# rewards, and it is defined for the pure policy-gradient loss, so --use-kl-loss is dropped.
+# (The later --custom-config-path wins in slime's argument parser.)
+if [ "$VCPO_HOOK" = "1" ] && [ "$MODE" != "slime" ]; then
+   if [ "$MODE" = "sync" ] || [ "$LOSS_HOOK" != "custom_loss" ]; then
+      echo "VCPO_HOOK=1 needs MODE=april or copris and LOSS_HOOK=custom_loss" >&2; exit 2
+   fi
+   APRIL_ARGS+=(
+      --custom-config-path "${HERE}/configs/${MODE}-vcpo.yaml"
+      --custom-advantage-function-path april_slime.vcpo.opob_advantages
+   )
+   without_kl=()
+   for arg in "${GRPO_ARGS[@]}"; do
+      [ "$arg" = "--use-kl-loss" ] || without_kl+=("$arg")
+   done
+   GRPO_ARGS=("${without_kl[@]}")
+fi
+# ------------------------------------------------- end of the loss-side block
+
 # Per-token policy versions reach the loss only with patches/slime-forward-train-metadata.patch
 # applied to the slime checkout; without it the loss still trains, without staleness metrics.
 check_april_setup() {

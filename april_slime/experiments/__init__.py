@@ -1,0 +1,1 @@
+"""Experiments that exercise the library (not imported by it): run them from scripts/."""

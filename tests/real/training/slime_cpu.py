@@ -1,0 +1,302 @@
+"""slime's real training data path and loss_function on CPU, gloo world size 1 (test helper).
+
+What runs is slime's own code at the pinned commit with the repository's patches: the rollout
+side's ``RolloutManager._convert_samples_to_train_data`` and ``_split_train_data_by_dp``, the
+trainer's ``process_rollout_data``, ``compute_advantages_and_returns``, ``get_batch`` and
+``loss_function``, driven by Megatron's ``forward_backward_no_pipelining``. Four test-only
+adaptations, each as narrow as it can be:
+
+* slime picks its accelerator from the hardware; a CPU one is installed with slime's own
+  ``set_accelerator``.
+* ``ray.put`` / ``ray.get`` around the rollout->trainer hand-off are the identity (one process).
+* Megatron's ``forward_backward_no_pipelining`` allocates its token counter with
+  ``torch.zeros(..., device="cuda")``; inside that module only, ``torch.zeros`` maps a CUDA device
+  to the CPU. Nothing else in Megatron is touched.
+
+* slime's ``torch.compile``d PPO helpers run eagerly (``torch._dynamo`` disabled while the world
+  is up): with inductor's FX-graph / AOTAutograd caches on, the compiled ``compute_policy_loss``
+  can clip with the eps values of an earlier call (the upstream note in docs/loss.md), and
+  compiling costs tens of seconds on two cores. The math is slime's either way.
+
+The model is token-wise (embedding -> linear -> logits) so that no attention kernel is needed for
+slime's packed ``thd`` micro-batches; the loss path does not depend on what produced the logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import types
+from argparse import Namespace
+from functools import partial
+
+import torch
+from torch import nn
+
+from megatron.core import parallel_state
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.pipeline_parallel import schedules
+
+from slime.backends.megatron_utils import data as slime_data
+from slime.backends.megatron_utils import loss as slime_loss
+from slime.ray import rollout as slime_rollout
+from slime.utils import accelerator as slime_accelerator
+from slime.utils import data as slime_utils_data
+from slime.utils.accelerator.base import Accelerator
+from slime.utils.types import Sample
+
+VOCAB = 29
+
+BATCH_KEYS = ["tokens", "multimodal_train_inputs", "packed_seq_params", "total_lengths", "response_lengths",
+              "loss_masks", "log_probs", "ref_log_probs", "values", "advantages", "returns", "rollout_log_probs",
+              "teacher_log_probs", "rollout_mask_sums", "metadata"]
+
+
+class CpuAccelerator(Accelerator):
+    name = "cpu"
+    device_type = "cpu"
+    communication_backend_name = "gloo"
+
+    def is_available(self) -> bool:
+        return True
+
+    def device(self, index=None) -> torch.device:
+        return torch.device("cpu")
+
+    def device_name(self, index=None) -> str:
+        return "cpu"
+
+    def set_device(self, index) -> None:
+        pass
+
+    def current_device(self) -> str:
+        return "cpu"
+
+    def device_count(self) -> int:
+        return 1
+
+    def synchronize(self, device=None) -> None:
+        pass
+
+    def current_stream(self, device=None):
+        return None
+
+    def empty_cache(self) -> None:
+        pass
+
+    def mem_get_info(self, device=None) -> tuple[int, int]:
+        return 0, 0
+
+    def memory_allocated(self, device=None) -> int:
+        return 0
+
+    def memory_reserved(self, device=None) -> int:
+        return 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_world(tp: int = 1, rank: int = 0, world_size: int = 1, port: int | None = None):
+    """A gloo job with Megatron's model-parallel groups and slime on the CPU (one process unless
+    ``world_size`` says otherwise; the remaining ranks are data parallel)."""
+    port = free_port() if port is None else port
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=world_size)
+    parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=1)
+    slime_accelerator.set_accelerator(CpuAccelerator())
+    dynamo_disabled = torch._dynamo.config.disable
+    torch._dynamo.config.disable = True
+    try:
+        yield
+    finally:
+        torch._dynamo.config.disable = dynamo_disabled
+        slime_accelerator.reset_accelerator()
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+class _CpuZerosTorch(types.ModuleType):
+    """``torch`` as seen by megatron.core.pipeline_parallel.schedules, with ``zeros`` on the CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return torch.zeros(*args, device=device, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_token_counter():
+    saved = schedules.torch
+    schedules.torch = _CpuZerosTorch()
+    try:
+        yield
+    finally:
+        schedules.torch = saved
+
+
+class TokenwiseLM(nn.Module):
+    def __init__(self, seed: int = 0, dim: int = 16):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.head = nn.Linear(dim, VOCAB)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.7)
+        self.config = TransformerConfig(num_layers=1, hidden_size=dim, num_attention_heads=1,
+                                        use_cpu_initialization=True)
+        self.model_type = None
+
+    def set_input_tensor(self, tensor) -> None:  # Megatron's pipeline interface; one stage here
+        pass
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(tokens)))
+
+
+def make_args(**overrides) -> Namespace:
+    values = dict(
+        # rollout -> trainer data path
+        micro_batch_size=2, use_dynamic_batch_size=False, max_tokens_per_gpu=None, balance_data=False,
+        balance_by_flops=False, global_batch_size=6, rollout_data_transport="object-store",
+        n_samples_per_prompt=3, rollout_batch_size=2, rewards_normalization=True, grpo_std_normalization=True,
+        rollout_top_p=1.0, data_pad_size_multiplier=8, allgather_cp=False, reward_key=None,
+        # advantages
+        advantage_estimator="grpo", normalize_advantages=False, kl_coef=0.0, kl_loss_type="low_var_kl",
+        custom_advantage_function_path=None, use_opd=False, gamma=1.0, lambd=1.0,
+        # loss
+        loss_type="policy_loss", custom_loss_function_path=None, eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=None,
+        entropy_coef=0.0, use_kl_loss=False, kl_loss_coef=0.0, use_unbiased_kl=False, calculate_per_token_loss=False,
+        use_rollout_logprobs=False, use_tis=False, get_mismatch_metrics=False, custom_tis_function_path=None,
+        tis_clip=2.0, tis_clip_low=0.0, custom_pg_loss_reducer_function_path=None, use_opsm=False,
+        recompute_loss_function=False, rollout_temperature=1.0, log_probs_chunk_size=-1,
+        save_debug_train_data=None,
+    )
+    values.update(overrides)
+    return Namespace(**values)
+
+
+def make_samples(seed: int = 0, num_prompts: int = 2, per_prompt: int = 3, spread: float = 0.3,
+                 model: nn.Module | None = None, temperature: float = 1.0) -> list[Sample]:
+    """Groups of samples with rewards, partial loss masks, rollout log-probs near the model's and
+    per-token policy versions in train_metadata (as the rollout side writes them)."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for p in range(num_prompts):
+        prompt = torch.randint(VOCAB, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist()
+        for k in range(per_prompt):
+            n = int(torch.randint(3, 9, (1,), generator=g))
+            response = torch.randint(VOCAB, (n,), generator=g).tolist()
+            mask = (torch.rand(n, generator=g) > 0.2).int().tolist()
+            mask[0] = 1
+            tokens = prompt + response
+            if model is not None:
+                with torch.no_grad():
+                    logits = model(torch.tensor(tokens)) / temperature
+                    lp = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(
+                        -1, torch.tensor(response)[:, None])[:, 0]
+            else:
+                lp = -torch.rand(n, generator=g) * 3
+            rollout_lp = (lp + spread * torch.randn(n, generator=g)).tolist()
+            s = Sample(index=p * per_prompt + k, prompt="", tokens=tokens, response_length=n,
+                       reward=float(torch.rand(1, generator=g) > 0.5), loss_mask=mask, rollout_log_probs=rollout_lp,
+                       status=Sample.Status.COMPLETED)
+            s.group_index = p
+            s.train_metadata = {"april_token_versions_rle": [[3, n - 2], [4, 2]], "april_policy_version": 4}
+            samples.append(s)
+    return samples
+
+
+def _rollout_manager_cls():
+    cls = slime_rollout.RolloutManager
+    meta = getattr(cls, "__ray_metadata__", None)
+    return meta.modified_class if meta is not None else cls
+
+
+def rollout_to_trainer(args: Namespace, samples: list[Sample], dp_size: int = 1, dp_rank: int = 0) -> dict:
+    """The rollout side's conversion and DP split, then the trainer's process_rollout_data."""
+    cls = _rollout_manager_cls()
+    # the methods only read these attributes; __init__ would start engines
+    manager = object.__new__(cls)
+    manager.args = args
+    manager.custom_convert_samples_to_train_data_func = None
+    manager.custom_reward_post_process_func = None
+    manager.train_parallel_config = {"dp_size": dp_size, "cp_size": 1, "vpp_size": 1,
+                                     "microbatch_group_size_per_vp_stage": 1}
+    identity = types.SimpleNamespace(put=lambda x, **_: x, get=lambda x: x)
+    saved = slime_rollout.ray, slime_utils_data.ray
+    slime_rollout.ray = slime_utils_data.ray = identity
+    try:
+        train_data = cls._convert_samples_to_train_data(manager, samples)
+        refs = cls._split_train_data_by_dp(manager, train_data)
+        rollout_data = slime_utils_data.process_rollout_data(args, refs, dp_rank, dp_size)
+    finally:
+        slime_rollout.ray, slime_utils_data.ray = saved
+    # what MegatronTrainRayActor._get_rollout_data does next (no CP: the slices are whole)
+    rollout_data["tokens"] = [t.to(dtype=torch.long) for t in rollout_data["tokens"]]
+    rollout_data["loss_masks"] = [t.to(dtype=torch.int) for t in rollout_data["loss_masks"]]
+    rollout_data["rollout_mask_sums"] = rollout_data["rollout_mask_sums"].to(dtype=torch.float32)
+    rollout_data["rollout_log_probs"] = [t.to(torch.float32) for t in rollout_data["rollout_log_probs"]]
+    return rollout_data
+
+
+def _microbatch_log_probs(args, model, batch, with_entropy=False):
+    logits = model(batch["tokens"])
+    _, out = slime_loss.get_log_probs_and_entropy(
+        logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"], with_entropy=with_entropy)
+    return out["log_probs"]
+
+
+def recompute_log_probs(args, model, rollout_data, store_prefix="", perturb: float = 0.0, seed: int = 0):
+    """The trainer's log-prob forward before the step (slime's compute_log_prob, without grad).
+    ``perturb`` shifts them, standing in for a proximal policy one optimizer step behind."""
+    g = torch.Generator().manual_seed(seed)
+    iterator = slime_data.get_data_iterator(rollout_data)[0]
+    by_index = {}
+    with torch.no_grad():
+        for indices in rollout_data["micro_batch_indices"]:
+            batch = slime_data.get_batch(iterator, ["tokens", "total_lengths", "response_lengths", "loss_masks"],
+                                         args.data_pad_size_multiplier)
+            for i, lp in zip(indices, _microbatch_log_probs(args, model, batch)):
+                by_index[i] = lp + perturb * torch.randn(lp.shape, generator=g)
+    rollout_data[f"{store_prefix}log_probs"] = [by_index[i] for i in range(len(by_index))]
+
+
+def train_step(args, model, rollout_data, step: int = 0):
+    """slime's train_one_step without the optimizer: forward_backward over the step's micro-batches
+    with slime's get_batch and loss_function. Returns (reduced metrics, {param name: grad})."""
+    slime_loss.compute_advantages_and_returns(args, rollout_data)
+    iterator = slime_data.get_data_iterator(rollout_data)
+    num_microbatches = rollout_data["num_microbatches"][step]
+    step_global_batch_size = rollout_data["global_batch_sizes"][step]
+    model.zero_grad(set_to_none=True)
+    model.config.calculate_per_token_loss = args.calculate_per_token_loss
+
+    def forward_step(data_iterator, model):
+        batch = slime_data.get_batch(data_iterator, BATCH_KEYS, args.data_pad_size_multiplier, args.allgather_cp)
+        logits = model(batch["tokens"])
+        return logits, partial(slime_loss.loss_function, args, batch, num_microbatches, step_global_batch_size)
+
+    with cpu_token_counter():
+        losses = schedules.forward_backward_no_pipelining(
+            forward_step_func=forward_step, data_iterator=iterator, model=[model],
+            num_microbatches=num_microbatches, seq_length=1, micro_batch_size=1, forward_only=False)
+    keys = losses[0]["keys"]
+    values = sum(item["values"] for item in losses)
+    divisor = values[0] if args.calculate_per_token_loss else step_global_batch_size
+    metrics = {k: float(v) / float(divisor) for k, v in zip(keys, values[1:])}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return metrics, grads
