@@ -114,7 +114,9 @@ class AprilConfig:
     )
     # ---------------------------------------------------------------- loss side
     is_mode: str = field(
-        default="copris",
+        # decoupled learned fastest at the staleness partial rollouts produce (docs/loss.md,
+        # "Defaults, and why"); copris saves slime's log-prob forward with --use-rollout-logprobs
+        default="decoupled",
         metadata={"help": "Off-policy correction: on_policy (ignore rollout log-probs), copris (ratio "
                           "against the concatenated rollout log-probs of all stages), decoupled "
                           "(clip around the recomputed proximal policy, weight prox/behaviour)."},
