@@ -1,0 +1,26 @@
+"""Run order for the whole suite: the fast tier, then the real tier's tests that need no engine
+(training side, checkpoints), then those on the shared engines (the ``real_stack`` fixture).
+
+The real tier starts SGLang engines once per session and keeps them until the session ends; their
+scheduler loops keep polling while idle, so run earlier they would share the two cores with
+everything after them, timing-sensitive tests included. Order changes nothing else: every test
+is independent of it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REAL_TIER = Path(__file__).resolve().parent / "real"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    def stage(item) -> int:
+        if REAL_TIER not in Path(str(item.fspath)).parents:
+            return 0
+        return 2 if "real_stack" in getattr(item, "fixturenames", ()) else 1
+
+    items.sort(key=stage)  # stable: the order within each stage stays as collected
