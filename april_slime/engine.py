@@ -5,13 +5,23 @@ them) through a ``Transport``: ``HttpTransport`` for real servers, or any in-pro
 same ``request`` coroutine. The client owns three things and nothing else:
 
 * the wire format of SGLang's native API (``/generate``, ``/abort_request``, ``/v1/loads``,
-  ``/get_weight_version``, the router's ``/workers``),
-* validation of every generate reply, so that a malformed reply (missing keys, count mismatch,
-  NaN log-prob) stops at this boundary instead of poisoning a trajectory,
+  ``/get_weight_version`` or ``/model_info``, the router's ``/workers``),
+* validation of every request and reply at this boundary: token ids sent must lie in
+  ``[0, vocab_size)`` (on SGLang one out-of-vocabulary input id kills the whole engine), and a
+  reply that breaks the protocol or is plausible but wrong (missing keys, count mismatch, NaN or
+  positive log-prob, a token id outside the vocabulary, another request's id, per-token version
+  spans that do not cover the output) is refused instead of poisoning a trajectory,
 * retries with exponential backoff on failures that are safe to retry, and per-engine error
   counters (``stats``) for metrics.
 
-It keeps no per-request state: which rid runs where is the scheduler's business.
+It keeps no per-request state: which rid runs where, and which engine is healthy, is the
+scheduler's business.
+
+Behaviour of SGLang 0.5.23 this client relies on (measured on the real engine): ``/abort_request``
+answers HTTP 200 with an empty body; a request aborted while still queued comes back as
+``finish_reason: abort`` with no tokens and no ``prompt_tokens``; ``meta_info.weight_versions``
+holds spans ``{"version", "start", "end"}`` (end exclusive) over the output tokens when the weights
+changed during the call (older builds send only ``weight_version``); ``meta_info.id`` is the rid.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import asyncio
 import json
 import logging
 import math
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -29,9 +40,16 @@ logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "abort")
 
+# Engines compute log-probs in float32; a log-softmax can come out a hair above 0. Anything above
+# this is not a log-probability.
+LOGPROB_TOLERANCE = 1e-4
+
 # Control calls (abort, loads, weight version, worker list) answer at once on a healthy engine; a
 # generate may legitimately run for an hour. They get their own, much shorter, per-call timeout.
 CONTROL_TIMEOUT_S = 30.0
+# An abort is best effort (the request's own reply or deadline settles it): a hung abort must not
+# hold anything up for long.
+ABORT_TIMEOUT_S = 5.0
 
 
 class EngineError(RuntimeError):
@@ -44,6 +62,16 @@ class EngineUnavailable(EngineError):
 
 class EngineReplyError(EngineError):
     """The engine answered, but the reply breaks the protocol (missing keys, counts, NaN)."""
+
+
+class RequestRejected(EngineError):
+    """The request itself is wrong: the engine answered HTTP 4xx (``status``), or the client
+    refused to send it (``status`` None; e.g. a token id outside the vocabulary). Resending the
+    same request, to this engine or another, cannot help."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class TransportHTTPError(Exception):
@@ -60,7 +88,8 @@ class Transport(Protocol):
 
     Raises ``TransportHTTPError(status, body)`` on a non-2xx reply, ``ConnectionError``/``OSError``
     when the engine cannot be reached or drops the connection, ``asyncio.TimeoutError`` when
-    ``timeout_s`` passes, and ``ValueError`` when a 2xx body is not JSON.
+    ``timeout_s`` passes, and ``ValueError`` when a 2xx body is not JSON. An empty 2xx body (SGLang's
+    ``/abort_request``) is returned as ``None``.
     """
 
     async def request(
@@ -113,6 +142,8 @@ class HttpTransport:
             except ValueError:
                 body = text
             raise TransportHTTPError(status, body)
+        if not text.strip():
+            return None
         try:
             return json.loads(text)
         except ValueError as exc:
@@ -129,10 +160,17 @@ class GenerateResult:
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # stop | length | abort
-    weight_version: int
-    prompt_tokens: int
+    weight_version: int  # the engine's version when the reply was made
+    prompt_tokens: int | None  # None: aborted while still queued (SGLang then omits it)
     completion_tokens: int
     engine_url: str
+    # policy version of every output token, run-length encoded [[version, count], ...]; from
+    # meta_info.weight_versions when the engine sends it, else every token gets weight_version
+    version_runs: list[list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.version_runs is None:
+            self.version_runs = [[self.weight_version, len(self.output_ids)]] if self.output_ids else []
 
 
 @dataclass
@@ -202,8 +240,9 @@ async def _call_with_retries(
             if 400 <= exc.status < 500:
                 stats.client_errors += 1
                 stats.failed_calls += 1
-                raise EngineError(
-                    f"engine {url} rejected {method} {path} with HTTP {exc.status}: {exc.body}"
+                raise RequestRejected(
+                    f"engine {url} rejected {method} {path} with HTTP {exc.status}: {exc.body}",
+                    exc.status,
                 ) from exc
             stats.server_errors += 1
             last_error = f"HTTP {exc.status}: {exc.body}"
@@ -269,7 +308,7 @@ def _split_logprob_triples(triples: list, where: str) -> tuple[list[float], list
     if all(type(t) is list and len(t) >= 2 and type(t[0]) is float and type(t[1]) is int
            for t in triples):
         logprobs = [t[0] for t in triples]
-        if math.isfinite(sum(logprobs)):
+        if math.isfinite(sum(logprobs)) and (not logprobs or max(logprobs) <= LOGPROB_TOLERANCE):
             return logprobs, [t[1] for t in triples]
     logprobs, token_ids = [], []
     for pos, triple in enumerate(triples):
@@ -283,6 +322,10 @@ def _split_logprob_triples(triples: list, where: str) -> tuple[list[float], list
             raise EngineReplyError(f"{where}: log-prob at position {pos} is {logprob!r}")
         if not math.isfinite(logprob):
             raise EngineReplyError(f"{where}: log-prob at position {pos} is not finite ({logprob})")
+        if logprob > LOGPROB_TOLERANCE:
+            raise EngineReplyError(
+                f"{where}: log-prob at position {pos} is {logprob} > 0, not a log-probability"
+            )
         if isinstance(token_id, bool) or not isinstance(token_id, int):
             raise EngineReplyError(f"{where}: token id at position {pos} is {token_id!r}")
         logprobs.append(float(logprob))
@@ -290,8 +333,53 @@ def _split_logprob_triples(triples: list, where: str) -> tuple[list[float], list
     return logprobs, token_ids
 
 
+def check_token_ids(ids: list[int], vocab_size: int | None, what: str) -> None:
+    """Every id must be an int in ``[0, vocab_size)`` (any int >= 0 when the size is unknown).
+    Raises ``ValueError`` naming the first bad position."""
+    if not ids:
+        return
+    if all(type(t) is int for t in ids):
+        low, high = min(ids), max(ids)
+        if low >= 0 and (vocab_size is None or high < vocab_size):
+            return
+    for pos, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (
+                vocab_size is not None and t >= vocab_size):
+            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise ValueError(f"{what}: token id {t!r} at position {pos} is not an integer in {bound}")
+
+
+def _parse_version_spans(spans: Any, n: int, where: str) -> list[list[int]]:
+    """SGLang's ``meta_info.weight_versions`` -> ``[[version, count], ...]`` over ``n`` output
+    tokens. The spans must tile ``[0, n)`` in order (empty spans allowed)."""
+    if not isinstance(spans, list) or not spans:
+        raise EngineReplyError(f"{where}: meta_info.weight_versions is not a non-empty list: {spans!r}")
+    runs: list[list[int]] = []
+    pos = 0
+    for i, span in enumerate(spans):
+        if not isinstance(span, dict):
+            raise EngineReplyError(f"{where}: weight_versions[{i}] is not an object: {span!r}")
+        start, end = span.get("start"), span.get("end")
+        if (isinstance(start, bool) or isinstance(end, bool) or not isinstance(start, int)
+                or not isinstance(end, int) or start != pos or end < start or end > n):
+            raise EngineReplyError(
+                f"{where}: weight_versions[{i}] = {span!r} does not continue the spans at token "
+                f"{pos} within {n} output tokens"
+            )
+        version = _parse_weight_version(span.get("version"), f"{where} weight_versions[{i}]")
+        if end > start:
+            if runs and runs[-1][0] == version:
+                runs[-1][1] += end - start
+            else:
+                runs.append([version, end - start])
+        pos = end
+    if pos != n:
+        raise EngineReplyError(f"{where}: weight_versions cover {pos} of {n} output tokens")
+    return runs
+
+
 def parse_generate_reply(
-    reply: Any, *, engine_url: str, rid: str, max_new_tokens: int
+    reply: Any, *, engine_url: str, rid: str, max_new_tokens: int, vocab_size: int | None = None
 ) -> GenerateResult:
     """Validate one SGLang ``/generate`` reply and turn it into a ``GenerateResult``."""
     where = f"engine {engine_url} rid {rid}"
@@ -300,6 +388,9 @@ def parse_generate_reply(
     meta = reply.get("meta_info")
     if not isinstance(meta, dict):
         raise EngineReplyError(f"{where}: reply has no meta_info object")
+    reply_rid = meta.get("id")
+    if reply_rid is not None and reply_rid != rid:
+        raise EngineReplyError(f"{where}: reply belongs to another request (meta_info.id={reply_rid!r})")
 
     finish = meta.get("finish_reason")
     finish_type = finish.get("type") if isinstance(finish, dict) else None
@@ -310,6 +401,8 @@ def parse_generate_reply(
         )
 
     triples = meta.get("output_token_logprobs")
+    if triples is None and finish_type == "abort" and not reply.get("output_ids"):
+        triples = []  # aborted before any token: some builds send no log-prob list at all
     if not isinstance(triples, list):
         raise EngineReplyError(
             f"{where}: meta_info.output_token_logprobs missing or not a list (was the request sent "
@@ -332,8 +425,15 @@ def parse_generate_reply(
             f"{where}: output_token_logprobs[{pos}] is for token {triple_ids[pos]}, "
             f"output_ids has {output_ids[pos]}"
         )
+    try:
+        check_token_ids(output_ids, vocab_size, f"{where}: output_ids")
+    except ValueError as exc:
+        raise EngineReplyError(str(exc)) from None
 
-    completion_tokens = _require_int(meta.get("completion_tokens"), "completion_tokens", where)
+    completion = meta.get("completion_tokens")
+    if completion is None and finish_type == "abort" and not output_ids:
+        completion = 0
+    completion_tokens = _require_int(completion, "completion_tokens", where)
     if completion_tokens != len(output_ids):
         raise EngineReplyError(
             f"{where}: completion_tokens={completion_tokens} but {len(output_ids)} tokens returned"
@@ -342,8 +442,14 @@ def parse_generate_reply(
         raise EngineReplyError(
             f"{where}: {len(output_ids)} tokens returned, more than max_new_tokens={max_new_tokens}"
         )
-    prompt_tokens = _require_int(meta.get("prompt_tokens"), "prompt_tokens", where)
+    prompt_tokens = meta.get("prompt_tokens")
+    if prompt_tokens is not None or finish_type != "abort" or output_ids:
+        # only a request aborted while still queued comes back without prompt_tokens
+        prompt_tokens = _require_int(prompt_tokens, "prompt_tokens", where)
     weight_version = _parse_weight_version(meta.get("weight_version"), where)
+    spans = meta.get("weight_versions")
+    version_runs = (_parse_version_spans(spans, len(output_ids), where) if spans is not None
+                    else None)
 
     return GenerateResult(
         output_ids=list(output_ids),
@@ -353,6 +459,7 @@ def parse_generate_reply(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         engine_url=engine_url,
+        version_runs=version_runs,
     )
 
 
@@ -412,9 +519,13 @@ class EngineClient:
         timeout_s: float = 3600.0,
         max_retries: int = 3,
         retry_backoff_s: float = 1.0,
+        vocab_size: int | None = None,
     ) -> None:
         if not engine_urls:
             raise EngineError("no engine urls given")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
+                                       or vocab_size < 1):
+            raise ValueError(f"vocab_size must be an integer >= 1 or None, got {vocab_size!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if max_retries < 0:
@@ -428,29 +539,42 @@ class EngineClient:
         self.control_timeout_s = min(timeout_s, CONTROL_TIMEOUT_S)
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
+        # token ids sent and received must lie below it; None (unknown) checks only ids >= 0
+        self.vocab_size = vocab_size
         self.stats: dict[str, EngineStats] = {url: EngineStats() for url in self.engine_urls}
 
     @classmethod
     async def from_router(cls, router_url: str, **kw) -> "EngineClient":
-        """Build a client for every engine the router lists (``GET {router}/workers``)."""
+        """Build a client for every engine the router lists (``GET {router}/workers``).
+
+        A router URL is expected (slime always starts ``sglang-router``). A URL that answers
+        ``/workers`` with HTTP 404 but answers as an SGLang engine (its weight version) is taken
+        as the job's only engine, with a warning; anything else fails with an error saying that a
+        router URL is expected.
+        """
         router_url = _normalise_url(router_url)
         transport = kw.pop("transport", None)
         owns_transport = transport is None
         if owns_transport:
             transport = HttpTransport()
         try:
-            reply = await _call_with_retries(
-                transport,
-                router_url,
-                "GET",
-                "/workers",
-                None,
-                timeout_s=min(kw.get("timeout_s", 3600.0), CONTROL_TIMEOUT_S),
-                max_retries=kw.get("max_retries", 3),
-                retry_backoff_s=kw.get("retry_backoff_s", 1.0),
-                stats=EngineStats(),
-            )
-            urls = _parse_worker_urls(reply, router_url)
+            try:
+                reply = await _call_with_retries(
+                    transport,
+                    router_url,
+                    "GET",
+                    "/workers",
+                    None,
+                    timeout_s=min(kw.get("timeout_s", 3600.0), CONTROL_TIMEOUT_S),
+                    max_retries=kw.get("max_retries", 3),
+                    retry_backoff_s=kw.get("retry_backoff_s", 1.0),
+                    stats=EngineStats(),
+                )
+                urls = _parse_worker_urls(reply, router_url)
+            except RequestRejected as exc:
+                if exc.status != 404:
+                    raise
+                urls = [await cls._single_engine(router_url, transport, kw)]
             if not urls:
                 raise EngineError(f"router {router_url} lists no engines")
             client = cls(urls, transport=transport, **kw)
@@ -460,6 +584,23 @@ class EngineClient:
             raise
         client._owns_transport = owns_transport
         return client
+
+    @classmethod
+    async def _single_engine(cls, url: str, transport: Transport, kw: dict) -> str:
+        probe = cls([url], transport=transport, **kw)
+        try:
+            await probe.weight_version(url)
+        except EngineError as exc:
+            raise EngineError(
+                f"{url} is not a router: GET /workers answered HTTP 404, and it does not answer as "
+                f"an SGLang engine either ({exc}); a router URL is expected (sglang-router, slime's "
+                "--sglang-router-ip/--sglang-router-port)"
+            ) from exc
+        logger.warning(
+            "%s has no /workers (HTTP 404): a router URL is expected; it answers as an SGLang "
+            "engine, so it is used as the only rollout engine", url,
+        )
+        return url
 
     def _stats(self, url: str) -> EngineStats:
         return self.stats.setdefault(url, EngineStats())
@@ -507,13 +648,24 @@ class EngineClient:
         """One generate call. The reply is validated; an aborted reply with partial (or zero)
         tokens is a normal result with ``finish_reason == "abort"``.
 
-        A retry resends the same rid and input ids: the engine keeps no state between calls, and
-        the fixed ``sampling_seed`` makes it continue the same stream, so a retried call yields the
-        sample it would have yielded the first time.
+        Token ids outside ``[0, vocab_size)`` are refused before anything is sent
+        (``RequestRejected``): on SGLang one such id kills the engine.
+
+        What a retry guarantees: it resends the same rid and input ids after the timed-out attempt
+        was aborted, so at most one copy runs at a time and a reply is always the continuation of
+        exactly these input ids. It does not guarantee the same sample: SGLang ignores
+        ``sampling_seed`` unless the server runs with deterministic inference, so a retried call
+        draws a fresh continuation (equally valid, from the same policy; greedy decoding repeats).
         """
         engine_url = _normalise_url(engine_url)
         if max_new_tokens < 1:
             raise ValueError(f"rid {rid}: max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not input_ids:
+            raise RequestRejected(f"engine {engine_url} rid {rid}: no input ids to send")
+        try:
+            check_token_ids(input_ids, self.vocab_size, f"engine {engine_url} rid {rid}: input_ids")
+        except ValueError as exc:
+            raise RequestRejected(str(exc)) from None
         payload = {
             "input_ids": list(input_ids),
             "sampling_params": {
@@ -534,9 +686,10 @@ class EngineClient:
             stats = self._stats(engine_url)
             stats.aborts_after_timeout += 1
             try:
-                async with asyncio.timeout(self.control_timeout_s):
+                timeout_s = min(self.control_timeout_s, ABORT_TIMEOUT_S)
+                async with asyncio.timeout(timeout_s):
                     await self.transport.request(
-                        "POST", engine_url, "/abort_request", {"rid": rid}, self.control_timeout_s
+                        "POST", engine_url, "/abort_request", {"rid": rid}, timeout_s
                     )
             except (TransportHTTPError, asyncio.TimeoutError, OSError, ValueError) as exc:
                 stats.failed_aborts_after_timeout += 1
@@ -556,21 +709,52 @@ class EngineClient:
         return self._counting_reply_errors(
             engine_url,
             lambda: parse_generate_reply(
-                reply, engine_url=engine_url, rid=rid, max_new_tokens=max_new_tokens
+                reply, engine_url=engine_url, rid=rid, max_new_tokens=max_new_tokens,
+                vocab_size=self.vocab_size,
             ),
         )
 
-    async def abort(self, engine_url: str, rid: str | None = None, abort_all: bool = False) -> None:
+    async def abort(
+        self,
+        engine_url: str,
+        rid: str | None = None,
+        abort_all: bool = False,
+        *,
+        timeout_s: float | None = None,
+        max_retries: int | None = None,
+    ) -> None:
         """Ask an engine to abort one request (or all). Its generate call then returns the partial
         response with finish reason "abort". Raises after retries; callers that treat an abort as
-        best effort catch ``EngineError``."""
+        best effort pass a short ``timeout_s`` and ``max_retries=0`` and catch ``EngineError``.
+        The reply body is not read (SGLang answers 200 with an empty body)."""
         engine_url = _normalise_url(engine_url)
         if (rid is None) == (not abort_all):
             raise ValueError("abort needs exactly one of rid or abort_all=True")
         payload: dict = {"abort_all": True} if abort_all else {"rid": rid}
-        await self._call(
-            engine_url, "POST", "/abort_request", payload, timeout_s=self.control_timeout_s
+        await _call_with_retries(
+            self.transport, engine_url, "POST", "/abort_request", payload,
+            timeout_s=self.control_timeout_s if timeout_s is None else timeout_s,
+            max_retries=self.max_retries if max_retries is None else max_retries,
+            retry_backoff_s=self.retry_backoff_s, stats=self._stats(engine_url),
         )
+
+    async def probe(self, engine_url: str, timeout_s: float) -> None:
+        """Health probe: a one-token generate answered within ``timeout_s`` (what SGLang's own
+        ``/health_generate`` does). One attempt; raises ``EngineError`` when the engine fails it.
+        An engine that accepts requests but never answers fails here, where ``/health`` alone
+        could still answer."""
+        engine_url = _normalise_url(engine_url)
+        payload = {
+            "input_ids": [0],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "rid": f"april-probe-{uuid.uuid4().hex}",
+        }
+        reply = await _call_with_retries(
+            self.transport, engine_url, "POST", "/generate", payload, timeout_s=timeout_s,
+            max_retries=0, retry_backoff_s=0.0, stats=EngineStats(),
+        )
+        if not isinstance(reply, dict) or not isinstance(reply.get("meta_info"), dict):
+            raise EngineReplyError(f"engine {engine_url}: health probe reply is not a generate reply")
 
     async def loads(self) -> list[EngineLoad]:
         """Current load of every engine, queried concurrently, in ``engine_urls`` order."""

@@ -18,7 +18,9 @@ from april_slime.engine import (
     EngineReplyError,
     EngineUnavailable,
     HttpTransport,
+    RequestRejected,
     TransportHTTPError,
+    parse_generate_reply,
 )
 
 FAST = dict(max_retries=3, retry_backoff_s=0.001)
@@ -194,7 +196,7 @@ async def test_default_weight_version_is_zero(server):
 
 
 def _mutated(mutate: Callable[[dict], None]) -> dict:
-    reply = generate_reply(tokens=[5, 6, 7])
+    reply = generate_reply(rid="rid-77", tokens=[5, 6, 7])
     mutate(reply)
     return reply
 
@@ -228,8 +230,26 @@ MALFORMED = {
     "garbage_weight_version": (_set_meta("weight_version", "v-three"), "weight_version"),
     "completion_tokens_mismatch": (_set_meta("completion_tokens", 5), "completion_tokens=5"),
     "missing_logprobs": (lambda r: r["meta_info"].pop("output_token_logprobs"), "return_logprob"),
+    "positive_logprob": (
+        lambda r: r["meta_info"]["output_token_logprobs"][1].__setitem__(0, 0.7),
+        "position 1 is 0.7 > 0",
+    ),
+    "reply_of_another_rid": (_set_meta("id", "rid-78"), "another request"),
+    "spans_with_gap": (
+        _set_meta("weight_versions", [{"version": "2", "start": 0, "end": 1},
+                                      {"version": "3", "start": 2, "end": 3}]),
+        "does not continue the spans at token 1",
+    ),
+    "spans_short": (
+        _set_meta("weight_versions", [{"version": "2", "start": 0, "end": 2}]),
+        "cover 2 of 3",
+    ),
+    "spans_bad_version": (
+        _set_meta("weight_versions", [{"version": "x", "start": 0, "end": 3}]),
+        "weight_versions[0]",
+    ),
     "too_many_tokens": (
-        lambda r: r.update(generate_reply(tokens=list(range(9)))),
+        lambda r: r.update(generate_reply(rid="rid-77", tokens=list(range(9)))),
         "more than max_new_tokens=8",
     ),
 }
@@ -606,3 +626,142 @@ async def test_http_transport_error_body_and_close(server):
     finally:
         await transport.close()
     assert json.loads(json.dumps(server.requests[0][1])) == {"a": 1}
+
+
+# ------------------------------------------------------------- replies as real SGLang sends them
+
+
+def _parse(reply, **kw):
+    return parse_generate_reply(reply, engine_url="http://e", rid=reply["meta_info"].get("id", "r0"),
+                                max_new_tokens=kw.pop("max_new_tokens", 8), **kw)
+
+
+def test_float_noise_above_zero_is_a_logprob():
+    result = _parse(generate_reply(tokens=[5, 6], logprobs=[3e-7, -0.5]))
+    assert result.logprobs == [3e-7, -0.5]
+
+
+def test_weight_versions_spans_give_per_token_versions():
+    """Weights changed during the call: the first two tokens came from version 3, the last one
+    from 4; the reply's own weight_version is the newest."""
+    reply = generate_reply(tokens=[5, 6, 7], version="4")
+    reply["meta_info"]["weight_versions"] = [{"version": "3", "start": 0, "end": 2},
+                                             {"version": "4", "start": 2, "end": 3}]
+    result = _parse(reply)
+    assert result.weight_version == 4
+    assert result.version_runs == [[3, 2], [4, 1]]
+    # without spans (older SGLang) every token gets the reply's version
+    assert _parse(generate_reply(tokens=[5, 6, 7], version="4")).version_runs == [[4, 3]]
+    # an aborted reply with no tokens carries one empty span
+    empty = generate_reply(tokens=[], finish="abort", version="4")
+    empty["meta_info"]["weight_versions"] = [{"version": "4", "start": 0, "end": 0}]
+    assert _parse(empty).version_runs == []
+
+
+def test_request_aborted_while_queued_has_no_prompt_tokens():
+    reply = generate_reply(tokens=[], finish="abort")
+    del reply["meta_info"]["prompt_tokens"]
+    result = _parse(reply)
+    assert (result.finish_reason, result.output_ids, result.prompt_tokens) == ("abort", [], None)
+    # a reply with tokens still needs it
+    reply = generate_reply(tokens=[5], finish="abort")
+    del reply["meta_info"]["prompt_tokens"]
+    with pytest.raises(EngineReplyError, match="prompt_tokens"):
+        _parse(reply)
+
+
+def test_output_token_outside_vocabulary_is_refused():
+    with pytest.raises(EngineReplyError, match=r"token id 40 at position 1 is not an integer in \[0, 40\)"):
+        _parse(generate_reply(tokens=[5, 40, 7]), vocab_size=40)
+    assert _parse(generate_reply(tokens=[5, 39, 7]), vocab_size=40).output_ids == [5, 39, 7]
+
+
+@pytest.mark.parametrize("bad", [[1, 2, 50], [-1, 2, 3]])
+async def test_input_ids_outside_vocabulary_are_never_sent(server, bad):
+    server.script["/generate"] = [generate_reply()]
+    client = EngineClient([server.url], vocab_size=50, **FAST)
+    try:
+        with pytest.raises(RequestRejected, match="input_ids") as info:
+            await client.generate(server.url, bad, max_new_tokens=4, rid="r0", sampling_params={},
+                                  sampling_seed=0)
+    finally:
+        await client.close()
+    assert info.value.status is None
+    assert server.requests == []
+
+
+async def test_http_4xx_is_a_rejected_request(server):
+    server.script["/generate"] = [(400, {"error": "bad input"})]
+    client = EngineClient([server.url], **FAST)
+    try:
+        with pytest.raises(RequestRejected) as info:
+            await call_generate(client, server.url)
+    finally:
+        await client.close()
+    assert info.value.status == 400
+
+
+async def test_abort_accepts_empty_body(server):
+    server.script["/abort_request"] = [(200, "")]
+    client = EngineClient([server.url], **FAST)
+    try:
+        await client.abort(server.url, rid="a1")
+        await client.abort(server.url, abort_all=True)
+    finally:
+        await client.close()
+    assert client.stats[server.url].reply_errors == 0 and len(server.requests) == 2
+
+
+async def test_best_effort_abort_gives_up_fast(server):
+    async def hang(body):
+        await asyncio.sleep(5)
+        return {}
+
+    server.script["/abort_request"] = [hang]
+    client = EngineClient([server.url], **FAST)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        with pytest.raises(EngineUnavailable, match="/abort_request"):
+            await client.abort(server.url, rid="a1", timeout_s=0.1, max_retries=0)
+    finally:
+        await client.close()
+    assert loop.time() - start < 1.0 and len(server.requests) == 1
+
+
+async def test_probe(server):
+    server.script["/generate"] = [generate_reply(rid="whatever")]
+    client = EngineClient([server.url], **FAST)
+    try:
+        await client.probe(server.url, timeout_s=1.0)
+        ((_, sent),) = server.requests
+        assert sent["sampling_params"]["max_new_tokens"] == 1 and sent["rid"].startswith("april-probe-")
+
+        async def hang(body):
+            await asyncio.sleep(5)
+            return generate_reply()
+
+        server.script["/generate"] = [hang]
+        with pytest.raises(EngineUnavailable, match="no reply within 0.1 s"):
+            await client.probe(server.url, timeout_s=0.1)
+        server.script["/generate"] = [(503, "down")]
+        with pytest.raises(EngineUnavailable, match="HTTP 503"):
+            await client.probe(server.url, timeout_s=1.0)
+    finally:
+        await client.close()
+
+
+async def test_from_router_at_a_bare_engine_uses_it_alone(server, caplog):
+    # a bare SGLang engine: no /workers (the scripted server answers 404), a weight version
+    server.script["/model_info"] = [{"weight_version": "2"}]
+    client = await EngineClient.from_router(server.url, **FAST)
+    try:
+        assert client.engine_urls == [server.url]
+    finally:
+        await client.close()
+    assert "a router URL is expected" in caplog.text
+
+
+async def test_from_router_at_something_else_says_a_router_is_expected(server):
+    with pytest.raises(EngineError, match="a router URL is expected"):
+        await EngineClient.from_router(server.url, **FAST)
