@@ -31,7 +31,14 @@ def _bench(argv: list[str]) -> int:
     return int(bench_main(argv) or 0)
 
 
+def _demo(argv: list[str]) -> int:
+    from april_slime.demo.cli import main as demo_main
+
+    return int(demo_main(argv) or 0)
+
+
 COMMANDS = {
+    "demo": (_demo, "RL on CPU: real SGLang engines, partial rollouts, the plugin's loss"),
     "bench": (_bench, "rollout-policy benchmark against the SGLang emulator"),
     "emulator": (_emulator, "run SGLang-protocol emulator engines behind a router"),
     "settings": (_settings, "print the plugin settings table"),

@@ -20,6 +20,7 @@ of it.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -29,7 +30,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
 from april_slime.demo import task
@@ -85,37 +85,47 @@ FULL = DemoSettings()
 
 # ====================================================================== slime arguments
 def slime_args(settings: DemoSettings, policy: str, *, checkpoint: Path, prompts: Path, router_url: str,
-               workdir: Path) -> SimpleNamespace:
-    """The arguments of a slime job running this step: slime's own (data source, rollout, reward,
-    loss) and the plugin's ``april_*`` settings, as ``--custom-config-path`` would set them."""
+               workdir: Path) -> argparse.Namespace:
+    """The arguments of a slime job, parsed by slime's own argument parser (its rollout, reward,
+    loss and SGLang groups; the Megatron groups are for the GPU trainer), plus the plugin's
+    ``april_*`` settings, set as ``--custom-config-path`` sets them."""
+    from slime.backends.sglang_utils.arguments import add_sglang_arguments
+    from slime.utils.arguments import get_slime_extra_args_provider
+
     host, port = router_url.removeprefix("http://").rsplit(":", 1)
-    return SimpleNamespace(
-        # slime data source: a JSONL prompt file, no chat template
-        rollout_global_dataset=True, prompt_data=str(prompts), input_key="prompt", label_key="label",
-        metadata_key="metadata", tool_key=None, multimodal_keys=None, apply_chat_template=False,
-        apply_chat_template_kwargs={}, rollout_max_prompt_len=None, rollout_shuffle=True,
-        rollout_seed=settings.seed, dump_details=None, hf_checkpoint=str(checkpoint), buffer_filter_path=None,
-        save=str(workdir / policy / "ckpt"), load=None,
-        # slime rollout
-        rollout_batch_size=settings.rollout_batch_size, n_samples_per_prompt=settings.n_samples_per_prompt,
-        over_sampling_batch_size=settings.rollout_batch_size,
-        rollout_max_response_len=settings.policy.max_response_len, rollout_temperature=settings.temperature,
-        rollout_top_p=1.0, rollout_top_k=-1, rollout_stop=None, rollout_stop_token_ids=None,
-        rollout_skip_special_tokens=False, partial_rollout=False, mask_offpolicy_in_partial_rollout=False,
-        custom_generate_function_path=None, use_rollout_routing_replay=False, dynamic_sampling_filter_path=None,
-        rollout_sample_hook_path=None, sglang_router_ip=host, sglang_router_port=int(port),
-        # slime reward path
-        group_rm=False, custom_rm_path="april_slime.demo.task.reward", rm_type=None, reward_key=None,
-        # slime loss (custom_loss -> april_slime.loss.policy_loss)
-        loss_type="custom_loss", custom_loss_function_path="april_slime.loss.policy_loss",
-        advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None, entropy_coef=0.0,
-        use_kl_loss=False, use_rollout_logprobs=False,
-        # plugin settings
-        april_policy=policy, april_over_sampling_factor=settings.over_sampling_factor,
-        april_concurrency=settings.copris_concurrency, april_is_mode=settings.is_mode,
-        april_is_level=settings.is_level, april_is_correction=settings.is_correction,
-        april_is_high=settings.is_high, april_request_timeout_s=120.0,
-    )
+    argv = [
+        # data: a JSONL prompt file read by slime's RolloutDataSource, no chat template
+        "--prompt-data", str(prompts), "--input-key", "prompt", "--label-key", "label", "--rollout-shuffle",
+        "--rollout-seed", str(settings.seed), "--hf-checkpoint", str(checkpoint),
+        "--save", str(workdir / policy / "ckpt"),
+        # rollout: the plugin's function and data source, loaded by import path as slime loads them
+        "--rollout-function-path", "april_slime.rollout.generate_rollout",
+        "--data-source-path", "april_slime.rollout.AprilDataSource",
+        "--rollout-batch-size", str(settings.rollout_batch_size),
+        "--n-samples-per-prompt", str(settings.n_samples_per_prompt),
+        "--rollout-max-response-len", str(settings.policy.max_response_len),
+        "--rollout-temperature", str(settings.temperature),
+        "--sglang-router-ip", host, "--sglang-router-port", port,
+        # reward: slime's reward path with the task's reward function
+        "--custom-rm-path", "april_slime.demo.task.reward",
+        # loss: the plugin's policy loss, as a slime job selects it
+        "--loss-type", "custom_loss", "--custom-loss-function-path", "april_slime.loss.policy_loss",
+        "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
+    ]
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    get_slime_extra_args_provider()(parser)
+    add_sglang_arguments(parser)
+    args = parser.parse_args(argv)
+    # what slime's validation fills in when unset
+    if args.over_sampling_batch_size is None:
+        args.over_sampling_batch_size = args.rollout_batch_size
+    plugin = {"policy": policy, "over_sampling_factor": settings.over_sampling_factor,
+              "concurrency": settings.copris_concurrency, "is_mode": settings.is_mode,
+              "is_level": settings.is_level, "is_correction": settings.is_correction,
+              "is_high": settings.is_high, "request_timeout_s": 120.0}
+    for key, value in plugin.items():
+        setattr(args, f"april_{key}", value)
+    return args
 
 
 # ====================================================================== engines
@@ -176,13 +186,19 @@ def run_policy(policy: str, settings: DemoSettings, *, checkpoint: Path, prompts
 
     import torch
 
+    from slime.rollout.base_types import call_rollout_fn
+    from slime.rollout.sample_hooks import set_current_rollout_id
+    from slime.utils.misc import load_function
+
     torch.manual_seed(settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     args = slime_args(settings, policy, checkpoint=checkpoint, prompts=prompts, router_url=router_url,
                       workdir=workdir)
     push_weights(engine_urls, checkpoint, 0)  # every policy starts from the warm start, version 0
     trainer = PolicyTrainer(checkpoint, args, lr=settings.lr, minibatches=settings.minibatches)
-    data_source = rollout.AprilDataSource(args)
+    # as slime's RolloutManager builds them
+    data_source = load_function(args.data_source_path)(args)
+    generate_rollout = load_function(args.rollout_function_path)
     history: dict[str, list[float]] = {k: [] for k in SERIES}
     history.update(eval_step=[0], eval_wall_s=[0.0],
                    eval_reward=[evaluate(engine_urls, tokenizer, eval_prompts, settings)])
@@ -192,7 +208,8 @@ def run_policy(policy: str, settings: DemoSettings, *, checkpoint: Path, prompts
     try:
         for step in range(settings.steps):
             t0 = time.perf_counter()
-            out = rollout.generate_rollout(args, step, data_source)
+            set_current_rollout_id(step)
+            out = call_rollout_fn(generate_rollout, args, step, data_source, evaluation=False)
             t1 = time.perf_counter()
             train = trainer.step(out.samples)
             t2 = time.perf_counter()

@@ -48,6 +48,20 @@ class PolicySpec:
     max_response_len: int = 32
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("num_digits", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "sft_batch_size", "ramble_mean"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.sft_steps < 0:
+            raise ValueError(f"sft_steps: must be >= 0, got {self.sft_steps}")
+        for name in ("label_noise", "ramble_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}: must lie in [0, 1], got {getattr(self, name)}")
+        if self.max_response_len < self.num_digits + 1:
+            raise ValueError(f"max_response_len: must fit the answer and its stop ({self.num_digits + 1} "
+                             f"tokens), got {self.max_response_len}")
+
     def key(self) -> str:
         blob = json.dumps({"format": BUILD_FORMAT, "vocab": task.VOCAB, **dataclasses.asdict(self)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -101,7 +115,7 @@ def warm_start(model, tokenizer, spec: PolicySpec, log: Callable[[str], None] = 
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if (step + 1) % 100 == 0 or step + 1 == spec.sft_steps:
             log(f"warm start: step {step + 1}/{spec.sft_steps}, loss {sum(losses[-20:]) / len(losses[-20:]):.3f}, "
                 f"{time.perf_counter() - started:.0f}s")

@@ -104,7 +104,10 @@ class PolicyTrainer:
         advantages = [a for g in group_advantages([[float(s.reward) for s in g] for g in groups]) for a in g]
         samples = [s for g in groups for s in g]
         batch = self._batch(samples, advantages)
-        batch["log_probs"] = self._recomputed_log_probs(batch)
+        if self.minibatches > 1:
+            # slime recomputes pi_old before the step; with one optimizer step pi_old is the policy of
+            # that step's own forward, which the loss detaches itself when ``log_probs`` is absent
+            batch["log_probs"] = self._recomputed_log_probs(batch)
         order = torch.randperm(len(samples)).tolist()
         chunks = [order[i::self.minibatches] for i in range(self.minibatches) if order[i::self.minibatches]]
         sums: dict[str, float] = {}
