@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 import sys
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from(ns)
     except ValueError as e:
         print(f"april-slime demo: {e}", file=sys.stderr)
+        return 2
+    if ns.plot and importlib.util.find_spec("matplotlib") is None:
+        print("april-slime demo: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
     from april_slime.localstack import real_stack_missing
 

@@ -62,7 +62,7 @@ class DemoSettings:
     is_correction: str = "truncate"
     is_high: float = 2.0
     train_prompts: int = 2000
-    eval_prompts: int = 128
+    eval_prompts: int = 256
     eval_every: int = 5
     seed: int = 0
     policy: PolicySpec = field(default_factory=PolicySpec)
@@ -79,7 +79,7 @@ class DemoSettings:
             raise ValueError("n_samples_per_prompt: GRPO needs at least 2 samples per prompt")
 
 
-QUICK = DemoSettings(policies=("sync", "copris"), steps=15, eval_prompts=96, eval_every=5)
+QUICK = DemoSettings(policies=("sync", "copris"), steps=15)
 FULL = DemoSettings()
 
 
