@@ -53,6 +53,9 @@ class Trajectory:
     # set by the reward function once the whole group has finished; a float, or whatever slime's
     # reward model returns (a dict with --reward-key)
     reward: Any = None
+    # calls an engine refused as invalid (HTTP 4xx) over the trajectory's whole life, saved with
+    # the buffer, so a sample no engine accepts is dropped instead of failing every step
+    rejected_calls: int = 0
 
     @property
     def response_length(self) -> int:
@@ -66,21 +69,36 @@ class Trajectory:
         """What a (re)submission sends: prompt plus whatever was generated already."""
         return self.prompt_ids + self.response_ids
 
-    def append(self, output_ids: list[int], logprobs: list[float], version: int) -> None:
-        """Append one stage's output; ``logprobs`` must be aligned one-to-one with ``output_ids``."""
+    def append(self, output_ids: list[int], logprobs: list[float], version: int,
+               version_runs: list[list[int]] | None = None) -> None:
+        """Append one stage's output; ``logprobs`` must be aligned one-to-one with ``output_ids``.
+
+        ``version`` is the call's reported policy version (recorded in ``call_versions``);
+        ``version_runs`` the policy version of each of its tokens as ``[[version, count], ...]``
+        when the weights changed during the call (default: every token has ``version``).
+        Nothing is appended when any of it is inconsistent."""
         if len(output_ids) != len(logprobs):
             raise ValueError(f"{self.uid}: {len(output_ids)} tokens but {len(logprobs)} log-probs")
         if not all(math.isfinite(lp) for lp in logprobs):
             raise ValueError(f"{self.uid}: non-finite log-prob in engine output")
+        if version_runs is None:
+            version_runs = [[version, len(output_ids)]] if output_ids else []
+        elif (sum(count for _, count in version_runs) != len(output_ids)
+              or any(count < 0 for _, count in version_runs)):
+            raise ValueError(f"{self.uid}: per-token versions {version_runs} do not cover the "
+                             f"{len(output_ids)} tokens of the call")
         self.call_versions.append(version)
         if not output_ids:
             return
         self.response_ids.extend(output_ids)
         self.logprobs.extend(logprobs)
-        if self.version_runs and self.version_runs[-1][0] == version:
-            self.version_runs[-1][1] += len(output_ids)
-        else:
-            self.version_runs.append([version, len(output_ids)])
+        for run_version, count in version_runs:
+            if count == 0:
+                continue
+            if self.version_runs and self.version_runs[-1][0] == run_version:
+                self.version_runs[-1][1] += count
+            else:
+                self.version_runs.append([int(run_version), int(count)])
 
     def token_versions(self) -> list[int]:
         out: list[int] = []
@@ -122,6 +140,7 @@ class Trajectory:
             "num_aborts": self.num_aborts,
             "call_versions": list(self.call_versions),
             "reward": self.reward,
+            "rejected_calls": self.rejected_calls,
         }
 
     @classmethod

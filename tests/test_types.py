@@ -45,3 +45,24 @@ def test_group_round_trip_and_reset():
     again.trajectories[0].reset()
     assert again.trajectories[0].response_ids == [] and again.trajectories[0].reward is None
     assert not again.complete
+
+
+def test_weights_changed_during_a_call_give_per_token_versions():
+    t = make_trajectory()
+    t.append([1], [-0.5], version=2)
+    t.append([2, 3, 4], [-0.1, -0.2, -0.3], version=4, version_runs=[[2, 1], [3, 0], [4, 2]])
+    assert t.token_versions() == [2, 2, 4, 4]
+    assert t.version_runs == [[2, 2], [4, 2]]
+    assert t.call_versions == [2, 4]
+    with pytest.raises(ValueError, match="do not cover"):
+        t.append([5, 6], [-0.1, -0.1], version=4, version_runs=[[4, 1]])
+    assert t.response_length == 4 and t.call_versions == [2, 4]
+
+
+def test_rejected_calls_survive_a_round_trip():
+    t = make_trajectory()
+    t.rejected_calls = 2
+    assert Trajectory.from_dict(t.to_dict()).rejected_calls == 2
+    old = t.to_dict()
+    del old["rejected_calls"]  # saved before the field existed
+    assert Trajectory.from_dict(old).rejected_calls == 0

@@ -13,7 +13,8 @@
 #   2. The clone's own .venv, which sees layer 1 through a .pth file and holds the project
 #      (editable), its test tools and slime.
 #
-# slime comes from $SLIME_DIR (a checkout) or else ../shared/third_party/slime-*.tar.gz. Without
+# slime comes from $SLIME_DIR (a checkout) or else ../shared/third_party/slime-*.tar.gz (next to
+# the repository, or next to its parent folder for a worktree). Without
 # either, the environment is built without slime and the real tier says so and skips.
 set -euo pipefail
 
@@ -41,6 +42,11 @@ assert torch.__version__.startswith('2.13.0'), torch.__version__"
     date -u +%FT%TZ > "$base/.complete"
 }
 
+# Clones on one machine share the cache: one setup at a time touches it.
+mkdir -p "$cache"
+exec 9>"$cache/.lock"
+flock 9
+
 if [[ -f "$base/.complete" ]]; then
     log "reusing $base"
 else
@@ -48,7 +54,7 @@ else
 fi
 # Idempotent, and cheap, so applied on every run: a changed workaround reaches old caches too.
 "$base/bin/python" "$here/cpu_workarounds.py" install
-"$base/bin/python" -c "import sglang, sglang_router, megatron.core, torch; \
+PYTHONWARNINGS=ignore "$base/bin/python" -c "import sglang, sglang_router, megatron.core, torch; \
 print('sglang', sglang.__version__)" >&2
 
 # Layer 2: the clone's own venv on top of the shared one.
@@ -66,7 +72,9 @@ vpip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 
 slime_src="${SLIME_DIR:-}"
 if [[ -z "$slime_src" ]]; then
-    tarball="$(ls "$repo"/../shared/third_party/slime-*.tar.gz 2>/dev/null | head -n 1 || true)"
+    # ../shared beside the repository (a clone), or beside its parent (a worktree under wt/)
+    tarball="$(ls "$repo"/../shared/third_party/slime-*.tar.gz "$repo"/../../shared/third_party/slime-*.tar.gz \
+        2>/dev/null | head -n 1 || true)"
     if [[ -n "$tarball" ]]; then
         slime_src="$cache/$(basename "$tarball" .tar.gz)"
         if [[ ! -f "$slime_src/setup.py" ]]; then
@@ -78,7 +86,8 @@ fi
 if [[ -n "$slime_src" ]]; then
     [[ -d "$slime_src" ]] || { log "SLIME_DIR=$slime_src does not exist"; exit 1; }
     # A private copy with patches/ applied: the training tier needs train_metadata in the loss.
-    patched="$cache/slime-patched-$key-$(basename "$slime_src")"
+    patch_key="$(cat "$repo"/patches/slime-*.patch 2>/dev/null | sha256sum | cut -c1-12)"
+    patched="$cache/slime-patched-$patch_key-$(basename "$slime_src")"
     if [[ ! -f "$patched/.complete" ]]; then
         rm -rf "$patched"
         cp -r "$slime_src" "$patched"
@@ -88,6 +97,7 @@ if [[ -n "$slime_src" ]]; then
         done
         touch "$patched/.complete"
     fi
+    flock -u 9
     "${vpip[@]}" --no-deps "$patched"
     log "slime from $slime_src (patches applied)"
 else
