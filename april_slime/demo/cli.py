@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", type=int, help="SGLang CPU engines behind the router (default 1)")
     p.add_argument("--seed", type=int)
     p.add_argument("--sft-steps", type=int, help="supervised warm-start steps (a new value builds a new policy)")
+    p.add_argument("--vcpo", action="store_true",
+                   help="add VCPO's ESS-scaled learning rate (april_vcpo_lr_scaling) to the CoPRIS-IS loss")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the trainer (default 1)")
     p.add_argument("--cache-dir", type=Path,
                    default=Path(os.environ.get("APRIL_REAL_STACK_CACHE", Path.home() / ".cache" / "april-slime")) / "demo",
@@ -46,6 +48,8 @@ def settings_from(ns: argparse.Namespace):
     for name in ("steps", "engines", "seed"):
         if getattr(ns, name) is not None:
             changes[name] = getattr(ns, name)
+    if ns.vcpo:
+        changes["vcpo_lr_scaling"] = True
     if ns.sft_steps is not None:
         changes["policy"] = dataclasses.replace(base.policy, sft_steps=ns.sft_steps)
     return dataclasses.replace(base, **changes)

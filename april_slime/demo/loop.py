@@ -40,7 +40,8 @@ POLICIES = ("sync", "april", "copris")
 # per-step series written for every policy (``--json``)
 SERIES = ("reward", "wall_s", "offpolicy_token_fraction", "staleness_mean", "ess_ratio", "policy_version",
           "rollout_s", "train_s", "push_s", "resumed_trajectories", "buffered_partials", "aborted_tokens",
-          "generated_tokens", "mean_response_length", "loss_offpolicy_token_frac", "behaviour_ratio_mean")
+          "generated_tokens", "mean_response_length", "loss_offpolicy_token_frac", "behaviour_ratio_mean",
+          "lr_scale")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class DemoSettings:
     is_level: str = "token"
     is_correction: str = "truncate"
     is_high: float = 2.0
+    vcpo_lr_scaling: bool = False  # VCPO's ESS-scaled learning rate (april_vcpo_lr_scaling)
     train_prompts: int = 2000
     eval_prompts: int = 256
     eval_every: int = 5
@@ -122,7 +124,8 @@ def slime_args(settings: DemoSettings, policy: str, *, checkpoint: Path, prompts
     plugin = {"policy": policy, "over_sampling_factor": settings.over_sampling_factor,
               "concurrency": settings.copris_concurrency, "is_mode": settings.is_mode,
               "is_level": settings.is_level, "is_correction": settings.is_correction,
-              "is_high": settings.is_high, "request_timeout_s": 120.0}
+              "is_high": settings.is_high, "vcpo_lr_scaling": settings.vcpo_lr_scaling,
+              "request_timeout_s": 120.0}
     for key, value in plugin.items():
         setattr(args, f"april_{key}", value)
     return args
@@ -181,7 +184,7 @@ def run_policy(policy: str, settings: DemoSettings, *, checkpoint: Path, prompts
                log: Callable[[str], None] = print) -> dict[str, list[float]]:
     from transformers import AutoTokenizer
 
-    from april_slime import rollout
+    from april_slime import rollout, vcpo
     from april_slime.demo.trainer import PolicyTrainer
 
     import torch
@@ -191,6 +194,7 @@ def run_policy(policy: str, settings: DemoSettings, *, checkpoint: Path, prompts
     from slime.utils.misc import load_function
 
     torch.manual_seed(settings.seed)
+    vcpo.reset_runtime()  # rho_on is measured afresh on each policy's first (on-policy) step
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     args = slime_args(settings, policy, checkpoint=checkpoint, prompts=prompts, router_url=router_url,
                       workdir=workdir)
@@ -211,7 +215,7 @@ def run_policy(policy: str, settings: DemoSettings, *, checkpoint: Path, prompts
             set_current_rollout_id(step)
             out = call_rollout_fn(generate_rollout, args, step, data_source, evaluation=False)
             t1 = time.perf_counter()
-            train = trainer.step(out.samples)
+            train = trainer.step(out.samples, step)
             t2 = time.perf_counter()
             version = step + 1
             path = trainer.save(weights_dir / f"v{version}")
@@ -251,6 +255,7 @@ def _record(history: dict[str, list[float]], out: Any, train: dict[str, float], 
     history["mean_response_length"].append(sum(s.response_length for s in samples) / len(samples))
     history["loss_offpolicy_token_frac"].append(train.get("april/offpolicy_token_frac", math.nan))
     history["behaviour_ratio_mean"].append(train.get("april/behaviour_ratio_mean", math.nan))
+    history["lr_scale"].append(train.get("lr_scale", 1.0))
 
 
 def _progress(policy: str, step: int, steps: int, h: dict[str, list[float]]) -> str:

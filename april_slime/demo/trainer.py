@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from april_slime import loss as plugin_loss
+from april_slime import vcpo
 
 
 def group_advantages(rewards: list[list[float]]) -> list[list[float]]:
@@ -95,11 +96,13 @@ class PolicyTrainer:
         return log_probs
 
     # ------------------------------------------------------------ one training step
-    def step(self, groups: list[list[Any]]) -> dict[str, float]:
+    def step(self, groups: list[list[Any]], rollout_id: int = 0) -> dict[str, float]:
         """One rollout batch: recompute log-probs, then ``minibatches`` optimizer steps.
 
         Returns the loss metrics averaged over the samples (every metric is a sample mean) and
-        ``ess_ratio`` = (mean w)^2 / mean(w^2) of the unclipped sequence weights w = pi_old / pi_rollout.
+        ``ess_ratio`` = (mean w)^2 / mean(w^2) of the unclipped sequence weights w = pi_old / pi_rollout;
+        with ``april_vcpo_lr_scaling``, ``lr_scale`` is VCPO's learning-rate factor (sample mean over
+        the optimizer steps).
         """
         advantages = [a for g in group_advantages([[float(s.reward) for s in g] for g in groups]) for a in g]
         samples = [s for g in groups for s in g]
@@ -111,7 +114,12 @@ class PolicyTrainer:
         order = torch.randperm(len(samples)).tolist()
         chunks = [order[i::self.minibatches] for i in range(self.minibatches) if order[i::self.minibatches]]
         sums: dict[str, float] = {}
-        for chunk in chunks:
+        vcpo_on = plugin_loss.config_for(self.args).vcpo_lr_scaling
+        for step_id, chunk in enumerate(chunks):
+            if vcpo_on:
+                # slime's before-train-step hook: the loss feeds the step's ESS statistics and the
+                # optimizer step runs at lr * sqrt(ESS_ratio / rho_on)
+                vcpo.before_train_step(self.args, rollout_id, step_id, [self.model], self.optimizer, None)
             mini = {k: [v[i] for i in chunk] for k, v in batch.items()}
             logits = self._logits([t.tolist() for t in mini["unconcat_tokens"]])
             loss, metrics = plugin_loss.policy_loss(self.args, mini, logits, sample_mean_reducer(mini["loss_masks"]))
@@ -122,6 +130,8 @@ class PolicyTrainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
             self.optimizer.step()
             metrics["grad_norm"] = grad_norm
+            if vcpo_on:
+                metrics["lr_scale"] = vcpo.runtime().lr_scaler.last_scale
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * len(chunk)
         out = {k: v / len(samples) for k, v in sums.items()}
