@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -77,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     from april_slime.jsonfile import write_json_atomic
 
     torch.set_num_threads(ns.threads)
+    # the engines run in their own process groups: a plain SIGTERM must unwind through the
+    # stack's context manager, which stops them, rather than end this process and orphan them
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     def log(line: str) -> None:
         print(line, flush=True)

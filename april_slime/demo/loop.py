@@ -173,7 +173,10 @@ def evaluate(engine_urls: list[str], tokenizer: Any, prompts: list[dict], settin
         if not isinstance(replies, list) or len(replies) != len(ids[part]):
             raise RuntimeError(f"{url}/generate: expected {len(ids[part])} replies to a batched request")
         for prompt, reply in zip(prompts[part], replies):
-            text = tokenizer.decode(reply["output_ids"], skip_special_tokens=False)
+            output_ids = reply.get("output_ids") if isinstance(reply, dict) else None
+            if not isinstance(output_ids, list):
+                raise RuntimeError(f"{url}/generate: a reply without output_ids: {str(reply)[:200]}")
+            text = tokenizer.decode(output_ids, skip_special_tokens=False)
             total += task.score(text, prompt["label"])
     return total / len(prompts)
 
