@@ -87,3 +87,10 @@ def test_cli_settings_follow_the_flags():
     assert (s.steps, s.policies, s.policy.sft_steps) == (3, ("copris",), 50)
     assert s.rollout_batch_size == QUICK.rollout_batch_size
     assert s.policy.key() != QUICK.policy.key()  # a different warm start is a different cached policy
+
+
+def test_time_to_reward_is_the_first_evaluation_at_target():
+    series = {"eval_wall_s": [0.0, 10.0, 20.0, 30.0], "eval_reward": [0.2, 0.6, 0.5, 0.7], "eval_step": [0, 5, 10, 15]}
+    assert cli.time_to_reward(series, 0.55) == 10.0
+    assert cli.time_to_reward(series, 0.7) == 30.0
+    assert cli.time_to_reward(series, 0.9) is None

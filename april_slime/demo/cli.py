@@ -108,7 +108,23 @@ def summary(result: dict) -> list[str]:
         lines.append(f"{name:>7}: held-out reward {h['eval_reward'][0]:.3f} -> {h['eval_reward'][-1]:.3f} in "
                      f"{h['wall_s'][-1]:.0f}s over {len(h['reward'])} steps; mean off-policy share "
                      f"{_mean(h['offpolicy_token_fraction']):.2f}, min ESS ratio {min(h['ess_ratio']):.3f}")
+    sync = result["policies"].get("sync")
+    if sync is not None:
+        target = sync["eval_reward"][-1]
+        for name, h in result["policies"].items():
+            at = time_to_reward(h, target)
+            lines.append(f"{name:>7}: first held-out reward >= sync's final {target:.3f} at "
+                         + (f"{at:.0f}s (step {h['eval_step'][h['eval_wall_s'].index(at)]})" if at is not None
+                            else "never"))
     return lines
+
+
+def time_to_reward(series: dict, target: float) -> float | None:
+    """Wall-clock seconds of the first held-out evaluation at or above ``target`` (None: never)."""
+    for wall, reward in zip(series["eval_wall_s"], series["eval_reward"]):
+        if reward >= target:
+            return wall
+    return None
 
 
 def _mean(values: list[float]) -> float:
