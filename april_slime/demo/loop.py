@@ -277,9 +277,12 @@ def _progress(policy: str, step: int, steps: int, h: dict[str, list[float]]) -> 
 def run_demo(settings: DemoSettings, *, cache_dir: Path, workdir: Path,
              log: Callable[[str], None] = print) -> dict[str, Any]:
     """Build (or reuse) the warm-started policy, start the engines and router, run every policy."""
+    from transformers.utils import logging as hf_logging
+
     from april_slime.demo.policy import build_policy
     from april_slime.localstack import local_stack
 
+    hf_logging.disable_progress_bar()  # a save and a load per step: their bars would bury the progress lines
     started = time.perf_counter()
     checkpoint = build_policy(cache_dir, settings.policy, log)
     t_policy = time.perf_counter() - started
