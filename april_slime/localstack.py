@@ -452,19 +452,26 @@ class LocalStack:
 
 @contextlib.contextmanager
 def local_stack(model_path: str | os.PathLike, n_engines: int = 1, *, router_kwargs: dict | None = None,
-                start_timeout_s: float = 600.0, **engine_kwargs: Any) -> Iterator[LocalStack]:
+                start_timeout_s: float = 600.0, log_dir: str | os.PathLike | None = None,
+                **engine_kwargs: Any) -> Iterator[LocalStack]:
     """``n_engines`` CPU engines (booted concurrently) behind one router; all stopped on exit.
-    ``engine_kwargs`` go to every ``LocalEngine``."""
+    ``engine_kwargs`` go to every ``LocalEngine``. With ``log_dir``, the servers log to
+    ``engine-<i>.log`` and ``router.log`` there (kept); else to temporary files removed on stop."""
     if n_engines < 1:
         raise ValueError(f"n_engines must be >= 1, got {n_engines}")
-    engines = [LocalEngine(model_path, **engine_kwargs) for _ in range(n_engines)]
+    logs = Path(log_dir) if log_dir is not None else None
+    engines = [LocalEngine(model_path, log_path=logs / f"engine-{i}.log" if logs else None, **engine_kwargs)
+               for i in range(n_engines)]
+    router_kwargs = dict(router_kwargs or {})
+    if logs:
+        router_kwargs.setdefault("log_path", logs / "router.log")
     router = None
     try:
         for engine in engines:
             engine.launch()
         for engine in engines:
             engine.wait_ready(start_timeout_s)
-        router = LocalRouter([e.url for e in engines], **(router_kwargs or {})).start()
+        router = LocalRouter([e.url for e in engines], **router_kwargs).start()
         yield LocalStack(router.url, [e.url for e in engines], engines, router)
     finally:
         if router is not None:

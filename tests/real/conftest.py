@@ -1,0 +1,287 @@
+"""The real tier: the plugin inside real slime against real SGLang CPU engines behind the real
+sglang-router (``pytest -m real``; ``bash scripts/real-stack/setup.sh`` builds the environment).
+
+Where SGLang, the router, the CPU workarounds or slime cannot be had, nothing here is collected and
+the run ends with one line saying why.
+
+``real_stack`` (session scope) is the one set of engines every real-tier test shares, other people's
+included: a tiny Qwen3 built here, ``APRIL_REAL_ENGINES`` engines (default 2) and the router. It is
+shared state, so a test that changes it puts it back: weights pushed to the engines are restored
+with ``real_stack.restore_weights()`` (the weight *version* only grows: never assume a number,
+read ``real_stack.weight_version()``), and no test leaves requests running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from april_slime.localstack import LocalStack, build_tiny_qwen3, local_stack, real_stack_missing
+
+HERE = Path(__file__).resolve().parent
+
+# The tiny model's shape: long-tailed lengths at temperature 1 (EOS with probability ~1/24 per
+# token), so budgets of a few dozen tokens mix finished and truncated samples.
+EOS_RATE = 1 / 24
+MAX_RUNNING_REQUESTS = 16
+MAX_TOTAL_TOKENS = 32768
+
+
+def why_skipped() -> str | None:
+    missing = real_stack_missing()
+    if missing:
+        return missing
+    if importlib.util.find_spec("slime") is None:
+        return ("slime is not installed: put THUDM/slime@624b824a8 in SLIME_DIR (or its tarball in "
+                "../shared/third_party/) and rerun `bash scripts/real-stack/setup.sh`")
+    return None
+
+
+WHY_SKIPPED = why_skipped()
+if WHY_SKIPPED:
+    collect_ignore_glob = ["test_*.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if HERE in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.real)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if WHY_SKIPPED:
+        terminalreporter.write_line(f"tests/real skipped: {WHY_SKIPPED}")
+
+
+# ------------------------------------------------------------------ the shared stack
+def http_json(method: str, url: str, body: Any = None, timeout: float = 120.0) -> tuple[int, Any]:
+    """One blocking HTTP call; the reply parsed as JSON (None for an empty body)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            status, raw = reply.status, reply.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    return status, (json.loads(raw) if raw.strip() else None)
+
+
+@dataclass
+class RealStack:
+    """The session's engines and router, with the two models their weights can be."""
+
+    stack: LocalStack
+    model_path: Path  # the weights the engines start with
+    other_model_path: Path  # same shape and tokenizer, other random weights (seed 1)
+    _tokenizer: Any = field(default=None, repr=False)
+
+    @property
+    def router_url(self) -> str:
+        return self.stack.router_url
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return list(self.stack.engine_urls)
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer
+
+    def weight_version(self) -> int:
+        """The engines' current weight version (they always agree here)."""
+        versions = {http_json("GET", f"{u}/model_info")[1]["weight_version"] for u in self.engine_urls}
+        assert len(versions) == 1, f"engines disagree on the weight version: {versions}"
+        return int(versions.pop())
+
+    def push_weights(self, model_path: str | os.PathLike, version: int) -> None:
+        """What slime's disk-based weight update does: every engine loads ``model_path`` and
+        reports ``version`` from then on (SGLang waits for running requests to finish first)."""
+        for url in self.engine_urls:
+            status, reply = http_json("POST", f"{url}/update_weights_from_disk",
+                                      {"model_path": str(model_path), "weight_version": str(version)})
+            assert status == 200 and reply["success"], reply
+
+    def restore_weights(self) -> int:
+        """Back to the starting weights, under a fresh version; returns that version."""
+        version = self.weight_version() + 1
+        self.push_weights(self.model_path, version)
+        return version
+
+    def wait_idle(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            loads = [http_json("GET", f"{u}/v1/loads")[1]["loads"] for u in self.engine_urls]
+            busy = sum(l["num_running_reqs"] + l["num_waiting_reqs"] for per in loads for l in per)
+            if busy == 0:
+                return
+            assert time.monotonic() < deadline, f"engines still busy after {timeout_s} s: {loads}"
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def real_stack(tmp_path_factory) -> RealStack:
+    from transformers import AutoTokenizer
+
+    reuse = os.environ.get("APRIL_REAL_REUSE")
+    if reuse:
+        # development: `python -m april_slime.localstack --tiny DIR` already serves DIR; DIR-b holds
+        # the second weights. APRIL_REAL_REUSE=ROUTER_URL,ENGINE_URL[;ENGINE_URL...],DIR
+        router_url, engines, folder = reuse.split(",")
+        fake = LocalStack(router_url, engines.split(";"), [], None)
+        yield RealStack(fake, Path(folder), Path(folder + "-b"))
+        return
+    root = tmp_path_factory.mktemp("real-stack")
+    model = build_tiny_qwen3(root / "tiny-qwen3", eos_rate=EOS_RATE, seed=0)
+    other = build_tiny_qwen3(root / "tiny-qwen3-b", tokenizer=AutoTokenizer.from_pretrained(model),
+                             eos_rate=EOS_RATE, seed=1)
+    n = int(os.environ.get("APRIL_REAL_ENGINES", "2"))
+    with local_stack(model, n_engines=n, max_running_requests=MAX_RUNNING_REQUESTS,
+                     max_total_tokens=MAX_TOTAL_TOKENS, log_dir=root / "logs") as stack:
+        yield RealStack(stack, model, other)
+
+
+# ------------------------------------------------------------------ slime's own arguments
+def slime_args(argv: list[str], **overrides: Any) -> argparse.Namespace:
+    """Arguments as slime's own parser builds them (its rollout + SGLang/router groups; the
+    Megatron training groups are not needed on the rollout side), then ``overrides``."""
+    from slime.backends.sglang_utils.arguments import add_sglang_arguments
+    from slime.utils.arguments import get_slime_extra_args_provider, slime_validate_args
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    get_slime_extra_args_provider()(parser)
+    add_sglang_arguments(parser)
+    # the mode flags slime's parse_args reads in a pre-pass
+    parser.add_argument("--train-backend", default="megatron")
+    parser.add_argument("--debug-rollout-only", action="store_true")
+    parser.add_argument("--debug-train-only", action="store_true")
+    parser.add_argument("--load-debug-rollout-data", default=None)
+    args = parser.parse_args(argv)
+    for key, value in {**MEGATRON_DEFAULTS, **overrides}.items():
+        setattr(args, key, value)
+    slime_validate_args(args)  # slime's own derived defaults (eval path, over-sampling, custom config)
+    return args
+
+
+# Megatron-side arguments slime's validation reads (a rollout-only job never uses them otherwise).
+MEGATRON_DEFAULTS: dict[str, Any] = {}
+
+
+def run_async(coro):
+    return asyncio.run(coro)
+
+
+# ------------------------------------------------------------------ slime's RolloutManager, without Ray
+class SlimeRolloutManager:
+    """slime's own ``RolloutManager`` methods (unwrapped from the Ray actor class) on an instance
+    built like its ``__init__`` minus Ray and engine start-up: the engines are ``real_stack``'s.
+
+    ``generate`` does what ``RolloutManager.generate`` does up to the DP split (which needs Ray):
+    ``call_rollout_fn`` on ``--rollout-function-path`` with the data source of
+    ``--data-source-path``, slime's rollout logging, and the conversion to train data (which
+    checks the sample contract: loss-mask lengths, rewards, rollout log-probs)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from slime.ray.rollout import RolloutManager
+        from slime.utils.misc import load_function
+
+        from slime.utils.http_utils import init_http_client
+
+        init_http_client(args)  # slime's HTTP client to the router, as RolloutManager.__init__ makes it
+        raw = RolloutManager.__ray_metadata__.modified_class.__mro__[1]
+        assert raw.__name__ == "RolloutManager", raw
+        self.cls = raw
+        self.manager = m = object.__new__(raw)
+        m.pg, m.args, m.servers = None, args, {}
+        m.data_source = load_function(args.data_source_path)(args)
+        m.generate_rollout = load_function(args.rollout_function_path)
+        m.eval_generate_rollout = load_function(args.eval_function_path)
+        m.custom_reward_post_process_func = None
+        m.custom_convert_samples_to_train_data_func = None
+        m.rollout_id = -1
+        m._health_monitors = []
+
+    @property
+    def data_source(self) -> Any:
+        return self.manager.data_source
+
+    def generate(self, rollout_id: int) -> tuple[list[Any], dict, dict]:
+        """(flattened samples, rollout metrics, train data) of one rollout step."""
+        from slime.observability.rollout_metrics import log_rollout_data
+
+        m = self.manager
+        start = time.time()
+        m.rollout_id = rollout_id
+        samples, metrics = self.cls._get_rollout_data(m, rollout_id=rollout_id)
+        log_rollout_data(rollout_id, m.args, samples, metrics, time.time() - start)
+        train = self.cls._convert_samples_to_train_data(m, samples)
+        return samples, metrics or {}, train
+
+    def eval(self, rollout_id: int) -> None:
+        self.cls.eval(self.manager, rollout_id)
+
+    def save(self, rollout_id: int) -> None:
+        self.cls.save(self.manager, rollout_id)
+
+    def load(self, rollout_id: int | None = None) -> None:
+        self.cls.load(self.manager, rollout_id)
+
+
+def write_prompts(path: Path, n: int, seed: int = 0) -> Path:
+    """``n`` arithmetic prompts in slime's jsonl format (``prompt`` / ``label``)."""
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(n):
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            f.write(json.dumps({"prompt": f"Question: what is {a} + {b}? Answer:", "label": str(a + b)}) + "\n")
+    return path
+
+
+def plugin_args(stack: RealStack, tmp_path: Path, *, settings: dict[str, Any] | None = None,
+                batch: int = 4, n: int = 2, max_len: int = 32, prompts: int = 64,
+                reward: str = "length_parity_reward", extra_argv: list[str] = (), **overrides: Any):
+    """slime arguments of a job using the plugin against ``stack``'s router: real slime parser,
+    ``--custom-config-path`` YAML for the ``april_*`` settings, rewards from ``conftest``."""
+    import yaml
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    config = tmp_path / "april.yaml"
+    config.write_text(yaml.safe_dump(settings or {}), encoding="utf-8")
+    host, port = stack.router_url.removeprefix("http://").rsplit(":", 1)
+    argv = [
+        "--rollout-function-path", "april_slime.rollout.generate_rollout",
+        "--data-source-path", "april_slime.rollout.AprilDataSource",
+        "--custom-config-path", str(config),
+        "--hf-checkpoint", str(stack.model_path),
+        "--prompt-data", str(write_prompts(tmp_path / "prompts.jsonl", prompts)),
+        "--input-key", "prompt", "--label-key", "label",
+        "--rollout-batch-size", str(batch), "--n-samples-per-prompt", str(n),
+        "--rollout-max-response-len", str(max_len), "--rollout-temperature", "1.0",
+        "--num-rollout", "1000", "--custom-rm-path", f"conftest.{reward}",
+        "--sglang-router-ip", host, "--sglang-router-port", port,
+        "--save", str(tmp_path / "ckpt"),
+        # one GPU per engine in slime's accounting: how it counts the engines behind the router
+        "--rollout-num-gpus", str(len(stack.engine_urls)), "--rollout-num-gpus-per-engine", "1",
+        *extra_argv,
+    ]
+    return slime_args(argv, **overrides)
+
+
+async def length_parity_reward(args, sample, **kwargs) -> float:
+    """A reward that varies within a group, so GRPO-style normalization has something to do."""
+    return float(sample.response_length % 2)
