@@ -7,19 +7,10 @@ than sharing the session's ``real_stack``; one engine, four steps per policy, a 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 
 import pytest
-
-from april_slime.localstack import real_stack_missing
-
-pytestmark = pytest.mark.real
-
-_MISSING = real_stack_missing() or (None if importlib.util.find_spec("slime") else "slime is not installed")
-if _MISSING:
-    pytest.skip(f"the demo needs the real stack: {_MISSING}", allow_module_level=True)
 
 STEPS = 4
 
