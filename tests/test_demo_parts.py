@@ -94,3 +94,9 @@ def test_time_to_reward_is_the_first_evaluation_at_target():
     assert cli.time_to_reward(series, 0.55) == 10.0
     assert cli.time_to_reward(series, 0.7) == 30.0
     assert cli.time_to_reward(series, 0.9) is None
+
+
+def test_cli_says_what_is_missing_without_the_real_stack(monkeypatch, capsys):
+    monkeypatch.setattr("april_slime.localstack.real_stack_missing", lambda: "SGLang is not installed (here)")
+    assert cli.main(["--quick"]) == 2
+    assert "needs the real-stack environment: SGLang is not installed (here)" in capsys.readouterr().err
