@@ -2,9 +2,10 @@
 
 One step, for each rollout policy (sync, april, copris):
 
-1. rollout: ``april_slime.rollout.generate_rollout(args, rollout_id, data_source)`` with
-   ``AprilDataSource``, called as slime's ``RolloutManager`` calls it, against SGLang CPU engines
-   behind sglang-router. Prompts come from slime's ``RolloutDataSource`` (a JSONL file), rewards
+1. rollout: ``april_slime.rollout.generate_rollout`` with ``AprilDataSource``, both loaded from
+   slime's ``--rollout-function-path`` / ``--data-source-path`` with slime's ``load_function`` and
+   called through slime's ``call_rollout_fn`` as its ``RolloutManager`` does (``args`` from slime's
+   own argument parser), against SGLang CPU engines behind sglang-router. Prompts come from slime's ``RolloutDataSource`` (a JSONL file), rewards
    from slime's reward path (``custom_rm_path`` -> ``april_slime.demo.task.reward``); april and
    copris abort at target and buffer the partials, which later steps resume first;
 2. train: one rollout batch through ``april_slime.loss.policy_loss`` on a transformers copy of the
@@ -185,16 +186,14 @@ def evaluate(engine_urls: list[str], tokenizer: Any, prompts: list[dict], settin
 def run_policy(policy: str, settings: DemoSettings, *, checkpoint: Path, prompts: Path, eval_prompts: list[dict],
                router_url: str, engine_urls: list[str], workdir: Path,
                log: Callable[[str], None] = print) -> dict[str, list[float]]:
+    import torch
+    from slime.rollout.base_types import call_rollout_fn
+    from slime.rollout.sample_hooks import set_current_rollout_id
+    from slime.utils.misc import load_function
     from transformers import AutoTokenizer
 
     from april_slime import rollout, vcpo
     from april_slime.demo.trainer import PolicyTrainer
-
-    import torch
-
-    from slime.rollout.base_types import call_rollout_fn
-    from slime.rollout.sample_hooks import set_current_rollout_id
-    from slime.utils.misc import load_function
 
     torch.manual_seed(settings.seed)
     vcpo.reset_runtime()  # rho_on is measured afresh on each policy's first (on-policy) step
