@@ -1,4 +1,4 @@
-"""``april-slime`` command line: ``bench``, ``emulator``, ``settings``."""
+"""``april-slime`` command line: ``demo``, ``bench``, ``calibrate``, ``emulator``, ``settings``."""
 
 from __future__ import annotations
 
@@ -36,7 +36,14 @@ def _calibrate(argv: list[str]) -> int:
     return int(calibrate_main(argv) or 0)
 
 
+def _demo(argv: list[str]) -> int:
+    from april_slime.demo.cli import main as demo_main
+
+    return int(demo_main(argv) or 0)
+
+
 COMMANDS = {
+    "demo": (_demo, "RL on CPU: real SGLang engines, partial rollouts, the plugin's loss"),
     "bench": (_bench, "rollout-policy benchmark against the SGLang emulator"),
     "calibrate": (_calibrate, "measure a live SGLang engine; write an engine spec for bench"),
     "emulator": (_emulator, "run SGLang-protocol emulator engines behind a router"),

@@ -198,6 +198,9 @@ class SlimeRolloutManager:
         from slime.ray.rollout import RolloutManager
         from slime.utils.misc import load_function
 
+        from slime.utils.http_utils import init_http_client
+
+        init_http_client(args)  # slime's HTTP client to the router, as RolloutManager.__init__ makes it
         raw = RolloutManager.__ray_metadata__.modified_class.__mro__[1]
         assert raw.__name__ == "RolloutManager", raw
         self.cls = raw
@@ -256,6 +259,7 @@ def plugin_args(stack: RealStack, tmp_path: Path, *, settings: dict[str, Any] | 
     ``--custom-config-path`` YAML for the ``april_*`` settings, rewards from ``conftest``."""
     import yaml
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     config = tmp_path / "april.yaml"
     config.write_text(yaml.safe_dump(settings or {}), encoding="utf-8")
     host, port = stack.router_url.removeprefix("http://").rsplit(":", 1)
@@ -270,7 +274,10 @@ def plugin_args(stack: RealStack, tmp_path: Path, *, settings: dict[str, Any] | 
         "--rollout-max-response-len", str(max_len), "--rollout-temperature", "1.0",
         "--num-rollout", "1000", "--custom-rm-path", f"conftest.{reward}",
         "--sglang-router-ip", host, "--sglang-router-port", port,
-        "--save", str(tmp_path / "ckpt"), *extra_argv,
+        "--save", str(tmp_path / "ckpt"),
+        # one GPU per engine in slime's accounting: how it counts the engines behind the router
+        "--rollout-num-gpus", str(len(stack.engine_urls)), "--rollout-num-gpus-per-engine", "1",
+        *extra_argv,
     ]
     return slime_args(argv, **overrides)
 

@@ -25,9 +25,6 @@ def manager_for(real_stack, tmp_path):
         built.append(m)
         return m
 
-    (tmp_path / "job0").mkdir()
-    for i in range(1, 4):
-        (tmp_path / f"job{i}").mkdir()
     yield make
     rollout.shutdown()
     real_stack.wait_idle()

@@ -1,0 +1,102 @@
+"""The demo's pieces that need neither SGLang nor transformers: task, reward, advantages, the
+sample-mean reducer, settings and command-line checks. The whole loop runs in tests/real/test_demo.py."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from april_slime.demo import cli, task
+from april_slime.demo.loop import QUICK, DemoSettings
+from april_slime.demo.policy import PolicySpec, demonstration
+from april_slime.demo.trainer import group_advantages, sample_mean_reducer
+
+
+def test_score_needs_exact_answer_and_stop():
+    assert task.score("54321" + task.EOS, "54321") == 1.0
+    assert task.score("54321", "54321") == 0.0  # no stop: truncated
+    assert task.score("543210" + task.EOS, "54321") == 0.0  # a ramble before the stop
+    assert task.score("54320" + task.EOS, "54321") == 0.0
+    assert task.score("54321" + task.EOS + "7", "54321") == 0.0
+
+
+def test_reward_is_a_slime_reward_function():
+    sample = SimpleNamespace(index=3, label="21", response="21" + task.EOS)
+    assert asyncio.run(task.reward(None, sample)) == 1.0
+    sample.label = None
+    with pytest.raises(ValueError, match="sample 3"):
+        asyncio.run(task.reward(None, sample))
+
+
+def test_prompt_file_is_distinct_and_labelled(tmp_path):
+    path = task.write_prompts(tmp_path / "p.jsonl", 50, 4, seed=1)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 50 and len({r["prompt"] for r in rows}) == 50
+    for r in rows:
+        digits = r["prompt"].removesuffix(task.SEPARATOR)
+        assert len(digits) == 4 and r["label"] == digits[::-1]
+
+
+def test_demonstrations_have_a_long_tail_within_the_budget():
+    import random
+
+    spec = PolicySpec(ramble_prob=0.5, max_response_len=20)
+    lengths = [len(demonstration(random.Random(i), spec)[1].removesuffix(task.EOS)) for i in range(400)]
+    assert min(lengths) == spec.num_digits
+    assert max(lengths) == spec.max_response_len - 1  # answer + stop fit the budget
+    assert 0.3 < sum(n > spec.num_digits for n in lengths) / len(lengths) < 0.7
+
+
+def test_group_advantages_are_normalised_per_group():
+    adv = group_advantages([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    assert adv[0] == pytest.approx([0.866, -0.866, -0.866, 0.866], abs=1e-3)
+    assert adv[1] == [0.0] * 4  # no signal in a uniform group
+
+
+def test_sample_mean_reducer_weights_samples_not_tokens():
+    masks = [torch.tensor([1.0, 1.0, 0.0]), torch.tensor([1.0])]
+    reduce = sample_mean_reducer(masks)
+    # sample 0: mean of (2, 4) = 3 (the masked 100 is left out); sample 1: 10; mean over samples 6.5
+    assert float(reduce(torch.tensor([2.0, 4.0, 100.0, 10.0]))) == pytest.approx(6.5)
+
+
+def test_settings_refuse_impossible_values():
+    with pytest.raises(ValueError, match="policies"):
+        DemoSettings(policies=("sync", "fast"))
+    with pytest.raises(ValueError, match="n_samples_per_prompt"):
+        DemoSettings(n_samples_per_prompt=1)
+    with pytest.raises(ValueError, match="steps"):
+        dataclasses.replace(QUICK, steps=0)
+    with pytest.raises(ValueError, match="sft_steps"):
+        PolicySpec(sft_steps=-1)
+
+
+def test_cli_rejects_unknown_policy_before_starting_anything(capsys):
+    assert cli.main(["--quick", "--policies", "sync,fast"]) == 2
+    assert "policies" in capsys.readouterr().err
+
+
+def test_cli_settings_follow_the_flags():
+    ns = cli._parser().parse_args(["--quick", "--steps", "3", "--policies", "copris", "--sft-steps", "50"])
+    s = cli.settings_from(ns)
+    assert (s.steps, s.policies, s.policy.sft_steps) == (3, ("copris",), 50)
+    assert s.rollout_batch_size == QUICK.rollout_batch_size
+    assert s.policy.key() != QUICK.policy.key()  # a different warm start is a different cached policy
+
+
+def test_time_to_reward_is_the_first_evaluation_at_target():
+    series = {"eval_wall_s": [0.0, 10.0, 20.0, 30.0], "eval_reward": [0.2, 0.6, 0.5, 0.7], "eval_step": [0, 5, 10, 15]}
+    assert cli.time_to_reward(series, 0.55) == 10.0
+    assert cli.time_to_reward(series, 0.7) == 30.0
+    assert cli.time_to_reward(series, 0.9) is None
+
+
+def test_cli_says_what_is_missing_without_the_real_stack(monkeypatch, capsys):
+    monkeypatch.setattr("april_slime.localstack.real_stack_missing", lambda: "SGLang is not installed (here)")
+    assert cli.main(["--quick"]) == 2
+    assert "needs the real-stack environment: SGLang is not installed (here)" in capsys.readouterr().err
