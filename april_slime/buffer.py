@@ -17,18 +17,18 @@ Two rules are applied on ``take``:
   staleness first. Ties always keep arrival order.
 
 The buffer is plain data and is saved as JSON with an atomic write (temporary file, fsync,
-``os.replace``), so a process that dies mid-save leaves the previous file intact and a restarted job
-resumes every partial.
+``os.replace``, folder fsync), so a process that dies mid-save leaves the previous file intact and
+a restarted job resumes every partial. In a slime job the buffer is saved inside the data source's
+checkpoint file (``april_slime.rollout``), not with ``save`` here.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Callable
 
 from april_slime.config import RESUME_PRIORITIES, STALE_ACTIONS
-from april_slime.jsonfile import write_json_atomic
+from april_slime.jsonfile import StateFileError, read_json, write_json_atomic
 from april_slime.types import Group, TrajectoryStatus
 
 STATE_FORMAT = 1
@@ -201,8 +201,13 @@ class PartialBuffer:
                              f"({e})") from e
 
     def load_into(self, path: str | os.PathLike) -> None:
-        with open(path, encoding="utf-8") as f:
-            self.load_state_dict(json.load(f))
+        """Load a file written by ``save``; a missing, torn or invalid file raises
+        ``StateFileError`` naming it, and leaves the buffer unchanged."""
+        state = read_json(path)
+        try:
+            self.load_state_dict(state)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise StateFileError(f"{path}: not a valid buffer state ({type(e).__name__}: {e})") from e
 
     @classmethod
     def load(cls, path: str | os.PathLike, **kwargs) -> "PartialBuffer":

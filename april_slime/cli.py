@@ -21,8 +21,7 @@ def _settings(argv: list[str]) -> int:
 def _emulator(argv: list[str]) -> int:
     from april_slime.emulator.__main__ import main as emulator_main
 
-    result = emulator_main(argv)
-    return int(result or 0)
+    return emulator_main(argv, prog="april-slime emulator")
 
 
 def _bench(argv: list[str]) -> int:

@@ -5,6 +5,15 @@ which slime fills from the YAML passed with ``--custom-config-path`` (or from th
 that is missing keeps its default; a value that is wrong stops the job at start with one line that
 names the key and says why (``AprilConfigError``).
 
+Misspelled keys. slime sets every key of the custom YAML as an attribute of ``args`` (no check:
+the file also carries arguments of users' own functions), so a misspelled setting would silently
+keep its default. ``from_args`` therefore refuses every ``april_*`` attribute that is not a setting,
+and, for the keys it can tell came from the custom YAML (it reads ``args.custom_config_path`` again),
+every key that names a setting without its prefix (``policy``) or nearly names one (``aprl_policy``,
+``april-policy``). Only the YAML's keys are compared this loosely: every other attribute of ``args``
+is slime's or Megatron's own, and none of those is a near miss of a setting (checked against
+slime's parser by ``tests/real``). Each refusal names the closest valid key.
+
 This module owns no runtime state: the scheduler, buffer and loss hooks each take the validated
 ``AprilConfig`` and read from it.
 """
@@ -12,6 +21,7 @@ This module owns no runtime state: the scheduler, buffer and loss hooks each tak
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -25,6 +35,14 @@ IS_MODES = ("on_policy", "copris", "decoupled")
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_CORRECTIONS = ("none", "truncate", "mask")
 LOSS_LEVELS = ("token", "sequence")
+
+# Sane upper bounds of settings whose absurd values would otherwise pass (documented in the help).
+MAX_OVER_SAMPLING_FACTOR = 100.0
+MAX_RETRIES = 20
+MAX_TOTAL_RETRY_BACKOFF_S = 86400.0
+MAX_VCPO_LR_SCALE = 10.0
+# How close a custom-YAML key must be to a setting's name to be taken for a misspelling of it.
+NEAR_MISS_CUTOFF = 0.85
 
 
 class AprilConfigError(ValueError):
@@ -48,7 +66,8 @@ class AprilConfig:
     over_sampling_factor: float = field(
         default=2.0,
         metadata={"help": "april: groups submitted per step = factor * rollout_batch_size "
-                          "(slime's --over-sampling-batch-size wins when set)."},
+                          "(slime's --over-sampling-batch-size wins when set); 1 to "
+                          f"{MAX_OVER_SAMPLING_FACTOR:.0f}."},
     )
     max_staleness: int | None = field(
         default=None,
@@ -72,18 +91,21 @@ class AprilConfig:
     )
     adaptive_concurrency: bool = field(
         default=False,
-        metadata={"help": "copris: tune N' online from engine loads, KV usage and retractions."},
+        metadata={"help": "copris: tune N' online from engine loads, KV usage and retractions "
+                          "(copris only)."},
     )
     min_concurrency: int = field(
         default=1, metadata={"help": "Lower bound for the adaptive concurrency controller."})
     max_concurrency: int | None = field(
         default=None, metadata={"help": "Upper bound for the adaptive controller (default 4 * N')."})
     request_timeout_s: float = field(
-        default=3600.0, metadata={"help": "Timeout of one generate call, in seconds."})
+        default=3600.0, metadata={"help": "Timeout of one generate call, in seconds (finite)."})
     max_retries: int = field(
-        default=3, metadata={"help": "Retries of one engine call on connection errors and HTTP 5xx."})
+        default=3, metadata={"help": "Retries of one engine call on connection errors and HTTP 5xx "
+                                     f"(at most {MAX_RETRIES})."})
     retry_backoff_s: float = field(
-        default=1.0, metadata={"help": "First retry delay; doubles on every retry."})
+        default=1.0, metadata={"help": "First retry delay; doubles on every retry (all the delays of "
+                                       f"one call at most {MAX_TOTAL_RETRY_BACKOFF_S:.0f} s)."})
     buffer_dir: str | None = field(
         default=None,
         metadata={"help": "Folder of the partial-buffer checkpoint (april_state_<rollout_id>.json); default: "
@@ -125,7 +147,9 @@ class AprilConfig:
     vcpo_lr_scale_min: float = field(
         default=0.0, metadata={"help": "Floor of the ESS learning-rate factor."})
     vcpo_lr_scale_max: float = field(
-        default=1.0, metadata={"help": "Ceiling of the ESS learning-rate factor."})
+        default=1.0, metadata={"help": "Ceiling of the ESS learning-rate factor (at most "
+                                       f"{MAX_VCPO_LR_SCALE:.0f}: above 1 it raises the learning "
+                                       "rate past the configured one)."})
     vcpo_baseline: bool = field(
         default=False,
         metadata={"help": "Replace the group-mean baseline by the off-policy optimal baseline "
@@ -136,12 +160,21 @@ class AprilConfig:
     # ------------------------------------------------------------------ building
     @classmethod
     def from_args(cls, args: Any) -> "AprilConfig":
-        """Read every ``args.april_<field>`` that is set (not None) and validate the result."""
+        """Read every ``args.april_<field>`` that is set (not None) and validate the result.
+
+        Refuses ``april_*`` attributes that are not settings, near misses of a setting among the
+        custom YAML's keys, and settings the YAML leaves empty (``april_policy:``).
+        """
+        yaml_keys = custom_config_keys(args)
+        check_keys([k for k in _attributes(args) if _looks_prefixed(k)], yaml_keys)
         values = {}
         for f in fields(cls):
-            value = getattr(args, PREFIX + f.name, None)
+            key = PREFIX + f.name
+            value = getattr(args, key, None)
             if value is not None:
                 values[f.name] = value
+            elif key in yaml_keys:
+                _coerce(f.name, f, None, empty="must not be empty")
         return cls.from_dict(values)
 
     @classmethod
@@ -152,7 +185,7 @@ class AprilConfig:
         for key, value in values.items():
             name = key[len(PREFIX):] if key.startswith(PREFIX) else key
             if name not in known:
-                raise AprilConfigError(f"{PREFIX}{name}: unknown setting")
+                raise AprilConfigError(f"{PREFIX}{name}: unknown setting; {_closest(PREFIX + name)}")
             kwargs[name] = _coerce(name, known[name], value)
         config = cls(**kwargs)
         config.validate()
@@ -181,22 +214,45 @@ class AprilConfig:
         if self.max_concurrency is not None and self.max_concurrency < self.min_concurrency:
             _fail("max_concurrency", f"must be >= min_concurrency ({self.min_concurrency}), "
                                      f"got {self.max_concurrency}")
-        if not self.request_timeout_s > 0:
-            _fail("request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
-        if self.max_retries < 0:
-            _fail("max_retries", f"must be >= 0, got {self.max_retries}")
-        if self.retry_backoff_s < 0:
-            _fail("retry_backoff_s", f"must be >= 0, got {self.retry_backoff_s}")
+        if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
+            _fail("request_timeout_s", f"must be a finite number > 0, got {self.request_timeout_s}")
+        if not 0 <= self.max_retries <= MAX_RETRIES:
+            _fail("max_retries", f"must be in 0..{MAX_RETRIES}, got {self.max_retries}")
+        if not (math.isfinite(self.retry_backoff_s) and self.retry_backoff_s >= 0):
+            _fail("retry_backoff_s", f"must be a finite number >= 0, got {self.retry_backoff_s}")
+        total_backoff = self.retry_backoff_s * (2 ** self.max_retries - 1)
+        if total_backoff > MAX_TOTAL_RETRY_BACKOFF_S:
+            _fail("retry_backoff_s", f"{self.retry_backoff_s} s doubled over {self.max_retries} retries waits "
+                                     f"{total_backoff:.0f} s per call, more than {MAX_TOTAL_RETRY_BACKOFF_S:.0f}")
+        if self.over_sampling_factor > MAX_OVER_SAMPLING_FACTOR:
+            _fail("over_sampling_factor", f"must be at most {MAX_OVER_SAMPLING_FACTOR:.0f}, "
+                                          f"got {self.over_sampling_factor}")
+        if self.buffer_dir is not None and not self.buffer_dir.strip():
+            _fail("buffer_dir", "must not be empty (leave it unset for <save>/rollout)")
         if not (0.0 <= self.is_low < self.is_high) or not math.isfinite(self.is_high):
             _fail("is_high" if self.is_low >= 0 else "is_low",
                   f"need 0 <= is_low < is_high < inf, got is_low={self.is_low}, is_high={self.is_high}")
-        if self.is_mode == "on_policy" and self.is_correction != "none" and self.is_level != "token":
-            pass  # harmless: on_policy ignores rollout log-probs, so there is nothing to correct
         if self.vcpo_rho_on is not None and not (0.0 < self.vcpo_rho_on <= 1.0):
             _fail("vcpo_rho_on", f"must be in (0, 1], got {self.vcpo_rho_on}")
         if not (0.0 <= self.vcpo_lr_scale_min <= self.vcpo_lr_scale_max):
             _fail("vcpo_lr_scale_min", f"need 0 <= vcpo_lr_scale_min <= vcpo_lr_scale_max, got "
                                        f"{self.vcpo_lr_scale_min} > {self.vcpo_lr_scale_max}")
+        if not self.vcpo_lr_scale_max <= MAX_VCPO_LR_SCALE:
+            _fail("vcpo_lr_scale_max", f"must be at most {MAX_VCPO_LR_SCALE:.0f}, got {self.vcpo_lr_scale_max}")
+        # settings that only one policy reads would otherwise be ignored without a word
+        if self.adaptive_concurrency and self.policy != "copris":
+            _fail("adaptive_concurrency", f"needs april_policy: copris (it tunes the requests in flight, "
+                                          f"which only copris holds fixed), got policy {self.policy!r}")
+        if self.concurrency is not None and self.policy != "copris":
+            _fail("concurrency", f"only the copris policy reads it, got policy {self.policy!r}")
+        if self.max_concurrency is not None and not self.adaptive_concurrency:
+            _fail("max_concurrency", "only read with april_adaptive_concurrency: true")
+        if self.adaptive_concurrency and self.concurrency is not None:
+            top = self.max_concurrency if self.max_concurrency is not None else 4 * self.concurrency
+            if not self.min_concurrency <= self.concurrency <= top:
+                _fail("concurrency", f"the adaptive controller starts here, so it must lie in "
+                                     f"[min_concurrency, max_concurrency] = [{self.min_concurrency}, {top}], "
+                                     f"got {self.concurrency}")
 
     def check_against_slime(self, args: Any) -> None:
         """Cross-checks with slime's own arguments, run once at job start."""
@@ -221,6 +277,73 @@ def _fail(name: str, reason: str) -> None:
     raise AprilConfigError(f"{PREFIX}{name}: {reason}")
 
 
+# ---------------------------------------------------------------------------- misspelled keys
+def setting_keys() -> list[str]:
+    return [PREFIX + f.name for f in fields(AprilConfig)]
+
+
+def _attributes(args: Any) -> list[str]:
+    try:
+        return list(vars(args))
+    except TypeError:  # an args object without __dict__
+        return [k for k in dir(args) if not k.startswith("__")]
+
+
+def _normalized(key: str) -> str:
+    return key.strip().lower().replace("-", "_")
+
+
+def _looks_prefixed(key: str) -> bool:
+    return _normalized(key).startswith(PREFIX)
+
+
+def _closest(key: str) -> str:
+    match = difflib.get_close_matches(_normalized(key), setting_keys(), n=1, cutoff=0.5)
+    if match:
+        return f"closest valid name: {match[0]}"
+    return "no setting is close; `april-slime settings` lists them all"
+
+
+def custom_config_keys(args: Any) -> set[str]:
+    """The keys of the YAML slime applied from ``--custom-config-path`` (empty when there is none,
+    or when the file is not readable from this process: then only ``april_*`` keys are checked)."""
+    path = getattr(args, "custom_config_path", None)
+    if not path:
+        return set()
+    try:
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, ImportError, ValueError):
+        return set()
+    except Exception:  # yaml.YAMLError: slime parsed it already, so this is a changed file
+        return set()
+    return {str(k) for k in data} if isinstance(data, dict) else set()
+
+
+def check_keys(prefixed_attributes: list[str], yaml_keys: set[str] | list[str] = ()) -> None:
+    """Stop at the first key that looks meant for this plugin but is not one of its settings."""
+    valid = set(setting_keys())
+    unprefixed = {k[len(PREFIX):] for k in valid}
+    for key in sorted(prefixed_attributes):
+        if key not in valid:
+            raise AprilConfigError(f"{key}: unknown setting; {_closest(key)}")
+    for key in sorted(yaml_keys):
+        if key in valid:
+            continue
+        norm = _normalized(key)
+        if norm in valid or norm.startswith(PREFIX):
+            raise AprilConfigError(f"{key}: unknown setting; {_closest(norm)}")
+        if norm in unprefixed:
+            raise AprilConfigError(f"{key}: plugin settings take the {PREFIX} prefix; "
+                                   f"closest valid name: {PREFIX}{norm}")
+        near = difflib.get_close_matches(norm, sorted(valid | unprefixed), n=1, cutoff=NEAR_MISS_CUTOFF)
+        if near:
+            name = near[0] if near[0].startswith(PREFIX) else PREFIX + near[0]
+            raise AprilConfigError(f"{key}: not a setting, but close to one; closest valid name: {name}")
+
+
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         _fail(name, f"must be one of {', '.join(allowed)}; got {value!r}")
@@ -229,7 +352,7 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 _TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
-def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
+def _coerce(name: str, f: dataclasses.Field, value: Any, empty: str = "must not be null") -> Any:
     """YAML and argparse hand us strings, ints for floats, etc.; convert to the field's type."""
     type_str = str(f.type).replace(" ", "")
     optional = "|None" in type_str
@@ -237,7 +360,7 @@ def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
     if value is None:
         if optional:
             return None
-        _fail(name, "must not be null")
+        _fail(name, empty)
     target = _TYPES[base]
     if target is bool:
         if isinstance(value, bool):

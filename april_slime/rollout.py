@@ -36,9 +36,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from april_slime import checkpoint
 from april_slime.buffer import PartialBuffer
 from april_slime.config import AprilConfig, AprilConfigError
-from april_slime.jsonfile import write_json_atomic
+from april_slime.jsonfile import StateFileError, read_json, write_text_atomic
 from april_slime.types import Group, Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
@@ -56,9 +57,6 @@ __all__ = [
 # patch is applied) and into ``Sample.metadata`` (rollout dumps and logs).
 TOKEN_VERSIONS_KEY = "april_token_versions_rle"  # [[policy version, token count], ...] of the response
 POLICY_VERSION_KEY = "april_policy_version"  # the policy version of the step the sample trained in
-
-STATE_FORMAT = 1
-STATE_FILE = "april_state_{rollout_id}.json"
 
 _STATUS_TO_SLIME = {
     TrajectoryStatus.PENDING: "PENDING",
@@ -383,6 +381,8 @@ class AprilDataSource:
         self.policy_version: int | None = None
         # version saved by the checkpoint this job was restored from; consumed by the first step
         self.restored_policy_version: int | None = None
+        # rollout id -> state at the end of that rollout (the two latest; see april_slime.checkpoint)
+        self._snapshots: dict[int, checkpoint.Snapshot] = {}
 
     # ------------------------------------------------------------ PromptSource
     def next_groups(self, n: int, current_version: int) -> list[Group]:
@@ -420,6 +420,8 @@ class AprilDataSource:
         return len(self._prompts)
 
     # ------------------------------------------------------------ checkpoints
+    # The design (what is saved, when, which file wins, what a kill leaves) is april_slime.checkpoint's
+    # docstring.
     def _state_dir(self, base: str | None) -> Path | None:
         if self.config.buffer_dir:
             return Path(self.config.buffer_dir)
@@ -427,38 +429,64 @@ class AprilDataSource:
 
     def state_path(self, rollout_id: int, *, for_load: bool = False) -> Path | None:
         folder = self._state_dir(self.args.load if for_load else self.args.save)
-        return folder / STATE_FILE.format(rollout_id=rollout_id) if folder else None
+        return checkpoint.state_file(folder, rollout_id) if folder else None
+
+    def snapshot(self, rollout_id: int) -> None:
+        """Record the state as of the end of rollout ``rollout_id``; ``save(rollout_id)`` writes it
+        even when a later rollout has run in between (slime's train_async.py)."""
+        self._snapshots[rollout_id] = checkpoint.Snapshot.take(
+            rollout_id, self._prompts, self.buffer.state_dict(), self.policy_version)
+        for old in sorted(self._snapshots)[:-2]:
+            del self._snapshots[old]
 
     def save(self, rollout_id: int) -> None:
-        self._prompts.save(rollout_id)
         path = self.state_path(rollout_id)
         if path is None:
             raise AprilConfigError("april_buffer_dir: unset and slime's --save is unset; the partial "
                                    "buffer has nowhere to be saved")
-        state = {"format": STATE_FORMAT, "rollout_id": rollout_id, "policy_version": self.policy_version,
-                 "buffer": self.buffer.state_dict()}
-        write_json_atomic(path, state)
-        logger.info("saved %d buffered groups (%d partial samples) to %s", len(self.buffer),
-                    self.buffer.num_partial_trajectories(), path)
+        snapshot = self._snapshots.get(rollout_id)
+        if snapshot is None:
+            snapshot = checkpoint.Snapshot.take(rollout_id, self._prompts, self.buffer.state_dict(),
+                                                self.policy_version)
+        checkpoint.remove_stale_tmp_files(path.parent)
+        checkpoint.at_save_point("begin")
+        with checkpoint.prompt_state_as(self._prompts, snapshot.prompt_state):
+            self._prompts.save(rollout_id)
+        if self.args.save:
+            checkpoint.sync_slime_state(Path(self.args.save) / "rollout", rollout_id)
+        checkpoint.at_save_point("prompt_state_written")
+        write_text_atomic(path, snapshot.text, at_point=checkpoint.at_save_point)
+        checkpoint.at_save_point("end")
+        logger.info("saved the data-source state of rollout %d (%d buffered groups, %d partial samples) "
+                    "to %s", rollout_id, len(self.buffer), self.buffer.num_partial_trajectories(), path)
 
     def load(self, rollout_id: int | None = None) -> None:
-        self._prompts.load(rollout_id)
+        """Restore checkpoint ``rollout_id``: all of it, or stop the job naming the file."""
         if rollout_id is None or rollout_id < 0:
+            self._prompts.load(rollout_id)
             return
         path = self.state_path(rollout_id, for_load=True)
-        if path is None:
+        if path is None:  # no --load and no april_buffer_dir: nothing was ever saved for this job
+            self._prompts.load(rollout_id)
             return
+        checkpoint.remove_stale_tmp_files(path.parent)
         if not path.exists():
-            logger.info("no partial-buffer state at %s; starting with an empty buffer", path)
-            return
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"{path}: state format {state.get('format')!r}, expected {STATE_FORMAT}")
-        self.buffer.load_state_dict(state["buffer"])
+            slime_folder = Path(self.args.load) / "rollout" if self.args.load else None
+            raise checkpoint.missing_state_error(path, rollout_id, slime_folder)
+        state = checkpoint.parse_state(path, read_json(path), rollout_id)
+        try:
+            self.buffer.load_state_dict(state["buffer"])  # validates before replacing anything
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise StateFileError(f"{path}: not a valid buffer state ({type(e).__name__}: {e})") from e
+        if state["format"] >= 2:
+            checkpoint.restore_prompt_state(self._prompts, state["prompt_state"], self.args)
+        else:  # written before the prompt position moved into this file
+            self._prompts.load(rollout_id)
         self.policy_version = self.restored_policy_version = state.get("policy_version")
-        logger.info("restored %d buffered groups (%d partial samples) from %s", len(self.buffer),
-                    self.buffer.num_partial_trajectories(), path)
+        self._snapshots = {}
+        self.snapshot(rollout_id)
+        logger.info("restored %d buffered groups (%d partial samples) and the prompt position from %s",
+                    len(self.buffer), self.buffer.num_partial_trajectories(), path)
 
 
 # ====================================================================== the rollout function
@@ -479,7 +507,9 @@ class _PolicyVersionClient:
     async def generate(self, *args: Any, **kwargs: Any):
         result = await self.client.generate(*args, **kwargs)
         if self.offset:
-            result = dataclasses.replace(result, weight_version=result.weight_version + self.offset)
+            result = dataclasses.replace(
+                result, weight_version=result.weight_version + self.offset,
+                version_runs=[[v + self.offset, n] for v, n in result.version_runs])
         return result
 
     async def weight_version(self, engine_url: str) -> int:
@@ -513,7 +543,7 @@ class _Runtime:
 
         fresh = await EngineClient.from_router(
             self.router_url, timeout_s=self.config.request_timeout_s, max_retries=self.config.max_retries,
-            retry_backoff_s=self.config.retry_backoff_s)
+            retry_backoff_s=self.config.retry_backoff_s, vocab_size=_vocab_size(self.codec))
         if self.client is not None and fresh.engine_urls == self.client.engine_urls:
             await fresh.close()
             return
@@ -541,11 +571,24 @@ class _Runtime:
             group_filter=self._keep_group if self.filter_fn is not None else None,
             controller=self.controller,
             over_sampling_batch_size=_explicit_over_sampling(args),
+            eos_token_id=_eos_token_ids(self.codec),
         )
 
     async def _policy_version(self) -> int:
-        """The engines' current weight version, in the job's continuous numbering."""
-        raw = await asyncio.gather(*(self.client.client.weight_version(u) for u in self.client.engine_urls))
+        """The engines' current weight version, in the job's continuous numbering. Asks only the
+        engines the scheduler dispatches to, and needs one answer: an engine that stopped
+        answering must not hold up the step (the scheduler's health probes bring it back)."""
+        urls = self.scheduler.health.usable()
+        replies = await asyncio.gather(*(self.client.client.weight_version(u) for u in urls),
+                                       return_exceptions=True)
+        raw = [r for r in replies if not isinstance(r, BaseException)]
+        for url, r in zip(urls, replies):
+            if isinstance(r, BaseException):
+                if not isinstance(r, Exception):
+                    raise r
+                logger.warning("engine %s did not report its weight version: %s", url, r)
+        if not raw:
+            raise next(r for r in replies if isinstance(r, BaseException))
         if len(set(raw)) > 1:
             logger.warning("rollout engines report different weight versions %s; using the newest", raw)
         newest = max(raw)
@@ -624,6 +667,47 @@ class _Runtime:
             self.client = None
 
 
+def _vocab_size(codec: "_SampleCodec") -> int | None:
+    """Size of the model's vocabulary (its embedding rows), which every token id sent to or
+    received from an engine must stay below: the checkpoint's config when it can be read, else the
+    tokenizer's length, else unknown (then only ids >= 0 are checked)."""
+    path = getattr(codec.args, "hf_checkpoint", None)
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+        config = getattr(config, "text_config", None) or config
+        if isinstance(getattr(config, "vocab_size", None), int):
+            return config.vocab_size
+    except Exception as e:  # no transformers, or no config next to the tokenizer
+        logger.debug("vocabulary size not read from %s: %s", path, e)
+    try:
+        return len(codec.tokenizer)
+    except TypeError:
+        logger.warning("vocabulary size unknown (no model config, tokenizer without a length): token "
+                       "ids are only checked to be >= 0")
+        return None
+
+
+def _eos_token_ids(codec: "_SampleCodec") -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS and the checkpoint's
+    ``generation_config.json`` eos_token_id (an id or a list; chat models list several)."""
+    ids = []
+    eos = getattr(codec.tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.append(eos)
+    path = getattr(codec.args, "hf_checkpoint", None)
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except Exception as e:  # no transformers, or no generation config next to the tokenizer
+        logger.debug("no generation config read from %s: %s", path, e)
+        eos = None
+    ids += [eos] if isinstance(eos, int) else [t for t in (eos or []) if isinstance(t, int)]
+    return sorted(set(ids))
+
+
 def sampling_params(args: Any) -> dict[str, Any]:
     """slime's rollout sampling parameters (as its ``GenerateState`` builds them), without
     ``max_new_tokens``: the scheduler sends each call the trajectory's remaining budget."""
@@ -672,6 +756,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
         return slime_rollout.generate_rollout(args, rollout_id, data_source, evaluation=True)
     runtime = _runtime(args, data_source)
     samples, metrics = _run_on_loop(runtime.train_step(rollout_id))
+    data_source.snapshot(rollout_id)  # what save(rollout_id) writes, also after rollout_id + 1 ran
     output_cls = runtime.slime.RolloutFnTrainOutput
     # slime builds older than RolloutFnTrainOutput take the bare sample groups
     return output_cls(samples=samples, metrics=metrics) if output_cls is not None else samples

@@ -203,3 +203,17 @@ def test_load_state_validates_before_replacing():
     running["groups"][0]["trajectories"][0]["status"] = "running"
     buf.load_state_dict(running)
     assert buf.groups()[0].trajectories[0].status is TrajectoryStatus.ABORTED
+
+
+@pytest.mark.parametrize("text", ["", '{"format": 1, "groups": [', "[]", '{"format": 1}'])
+def test_loading_a_torn_or_wrong_file_names_it_and_keeps_the_buffer(tmp_path, text):
+    from april_slime.jsonfile import StateFileError
+
+    path = tmp_path / "buffer.json"
+    path.write_text(text)
+    buf = PartialBuffer()
+    buf.put(make_group("kept"))
+    with pytest.raises(StateFileError) as err:
+        buf.load_into(path)
+    assert str(err.value).startswith(f"{path}:") and "\n" not in str(err.value)
+    assert uids(buf.groups()) == ["kept"]

@@ -85,3 +85,94 @@ def test_readme_settings_table_is_current():
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     assert settings_table_markdown() in readme
+
+
+# ------------------------------------------------------------------ misspelled and unprefixed keys
+def _args_from_yaml(tmp_path, text, **slime_args):
+    """args as slime leaves them: its own arguments, then every key of --custom-config-path set on it."""
+    path = tmp_path / "custom.yaml"
+    path.write_text(text)
+    args = SimpleNamespace(custom_config_path=str(path), rollout_batch_size=8, rollout_temperature=1.0,
+                           **slime_args)
+    for key, value in (yaml.safe_load(path.read_text()) or {}).items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.mark.parametrize("text, key, closest", [
+    ("april_polcy: april\n", "april_polcy", "april_policy"),
+    ("april_max_stalenes: 2\n", "april_max_stalenes", "april_max_staleness"),
+    ("policy: april\n", "policy", "april_policy"),
+    ("max_staleness: 2\n", "max_staleness", "april_max_staleness"),
+    ("aprl_policy: april\n", "aprl_policy", "april_policy"),
+    ("april-policy: april\n", "april-policy", "april_policy"),
+    ("April_Policy: april\n", "April_Policy", "april_policy"),
+    ("polcy: april\n", "polcy", "april_policy"),
+    ("april_is_hihg: 3\n", "april_is_hihg", "april_is_high"),
+])
+def test_a_misspelled_or_unprefixed_key_stops_the_job_naming_the_closest(tmp_path, text, key, closest):
+    with pytest.raises(AprilConfigError) as err:
+        AprilConfig.from_args(_args_from_yaml(tmp_path, text))
+    message = str(err.value)
+    assert message.startswith(f"{key}:") and message.endswith(closest) and "\n" not in message
+
+
+def test_an_unknown_april_attribute_stops_the_job_also_without_a_yaml():
+    # set by a launcher or an extra-args provider rather than the custom YAML
+    with pytest.raises(AprilConfigError, match=r"^april_polcy: unknown setting; closest valid name: april_policy$"):
+        AprilConfig.from_args(SimpleNamespace(april_polcy="april"))
+
+
+def test_slimes_own_args_and_users_own_yaml_keys_pass(tmp_path):
+    text = ("april_policy: april\nrollout_temperature: 0.7\nreward_model_url: http://rm\n"
+            "my_reward_threshold: 0.5\ntimeout: 30\n")
+    config = AprilConfig.from_args(_args_from_yaml(tmp_path, text))
+    assert config.policy == "april"
+
+
+def test_an_unreadable_custom_yaml_still_checks_april_attributes(tmp_path):
+    args = SimpleNamespace(custom_config_path=str(tmp_path / "gone.yaml"), policy="april")
+    assert AprilConfig.from_args(args).policy == "copris"  # cannot know `policy` came from the YAML
+    args.april_polcy = "april"
+    with pytest.raises(AprilConfigError, match="^april_polcy:"):
+        AprilConfig.from_args(args)
+
+
+# ------------------------------------------------------------------ absurd values and impossible combinations
+def test_an_empty_setting_in_the_yaml_stops_the_job(tmp_path):
+    with pytest.raises(AprilConfigError, match=r"^april_policy: must not be empty$"):
+        AprilConfig.from_args(_args_from_yaml(tmp_path, "april_policy:\n"))
+    # an optional setting left empty is unset, as documented
+    assert AprilConfig.from_args(_args_from_yaml(tmp_path, "april_max_staleness:\n")).max_staleness is None
+
+
+@pytest.mark.parametrize("values, key", [
+    ({"request_timeout_s": float("inf")}, "april_request_timeout_s"),
+    ({"request_timeout_s": "inf"}, "april_request_timeout_s"),
+    ({"retry_backoff_s": float("inf")}, "april_retry_backoff_s"),
+    ({"retry_backoff_s": 10.0, "max_retries": 20}, "april_retry_backoff_s"),
+    ({"max_retries": 1000}, "april_max_retries"),
+    ({"vcpo_lr_scale_max": 1e9}, "april_vcpo_lr_scale_max"),
+    ({"vcpo_lr_scale_max": float("inf")}, "april_vcpo_lr_scale_max"),
+    ({"over_sampling_factor": 1e9}, "april_over_sampling_factor"),
+    ({"policy": ""}, "april_policy"),
+    ({"policy": None}, "april_policy"),
+    ({"buffer_dir": ""}, "april_buffer_dir"),
+    ({"policy": "sync", "adaptive_concurrency": True}, "april_adaptive_concurrency"),
+    ({"policy": "april", "adaptive_concurrency": True}, "april_adaptive_concurrency"),
+    ({"policy": "sync", "concurrency": 64}, "april_concurrency"),
+    ({"max_concurrency": 64}, "april_max_concurrency"),
+    ({"adaptive_concurrency": True, "concurrency": 64, "max_concurrency": 32}, "april_concurrency"),
+    ({"adaptive_concurrency": True, "concurrency": 4, "min_concurrency": 8}, "april_concurrency"),
+])
+def test_absurd_values_and_impossible_combinations_are_refused_by_name(values, key):
+    with pytest.raises(AprilConfigError) as err:
+        AprilConfig.from_dict(values)
+    assert str(err.value).startswith(key + ":") and "\n" not in str(err.value)
+
+
+def test_sane_edges_pass():
+    AprilConfig.from_dict({"vcpo_lr_scale_max": 10.0, "max_retries": 20, "retry_backoff_s": 0.05,
+                           "over_sampling_factor": 100.0, "request_timeout_s": 86400.0})
+    AprilConfig.from_dict({"adaptive_concurrency": True, "concurrency": 64, "min_concurrency": 8,
+                           "max_concurrency": 512})

@@ -765,3 +765,22 @@ async def test_from_router_at_a_bare_engine_uses_it_alone(server, caplog):
 async def test_from_router_at_something_else_says_a_router_is_expected(server):
     with pytest.raises(EngineError, match="a router URL is expected"):
         await EngineClient.from_router(server.url, **FAST)
+
+
+async def test_retractions_from_replies_when_loads_lack_them(server):
+    """SGLang 0.5.23 reports retractions per request only (meta_info.num_retractions)."""
+    reply = generate_reply()
+    reply["meta_info"]["num_retractions"] = 2
+    server.script["/generate"] = [reply]
+    server.script["/v1/loads"] = [{"loads": [{"num_running_reqs": 1, "num_waiting_reqs": 0}]}]
+    client = EngineClient([server.url], **FAST)
+    try:
+        assert (await client.loads())[0].retractions == 0
+        await call_generate(client, server.url)
+        await call_generate(client, server.url)
+        assert (await client.loads())[0].retractions == 4
+        # an engine that does report them (the emulator) is taken at its word
+        server.script["/v1/loads"] = [{"loads": [{"num_running_reqs": 1, "num_retractions": 9}]}]
+        assert (await client.loads())[0].retractions == 9
+    finally:
+        await client.close()

@@ -213,6 +213,23 @@ def test_a_bad_value_stops_the_job_with_one_line(slime_mode, tmp_path, prompts, 
     assert message.startswith(key) and "\n" not in message
 
 
+@pytest.mark.parametrize("yaml_text, message", [
+    ("policy: april\n", "policy: plugin settings take the april_ prefix; closest valid name: april_policy"),
+    ("april_polcy: april\n", "april_polcy: unknown setting; closest valid name: april_policy"),
+    ("april_policy:\n", "april_policy: must not be empty"),
+])
+def test_a_misspelled_custom_config_key_stops_the_job(slime_mode, tmp_path, prompts, yaml_text, message):
+    path = tmp_path / "april.yaml"
+    path.write_text(yaml_text)
+    args = make_args(tmp_path, prompts, custom_config_path=str(path))
+    del args.april_policy
+    for key, value in yaml.safe_load(yaml_text).items():  # what slime does with the file
+        setattr(args, key, value)
+    with pytest.raises(AprilConfigError) as err:
+        rollout.AprilDataSource(args)
+    assert str(err.value) == message
+
+
 def test_rollout_function_needs_the_april_data_source(slime_mode, tmp_path, prompts):
     with pytest.raises(AprilConfigError, match="data_source_path"):
         rollout.generate_rollout(make_args(tmp_path, prompts), 0, object())
@@ -289,10 +306,117 @@ def test_save_is_atomic_and_next_to_slimes_state(slime_mode, tmp_path, prompts):
     source.save(3)
     folder = tmp_path / "ckpt" / "rollout"
     assert sorted(p.name for p in folder.iterdir()) == ["april_state_3.json", "global_dataset_state_dict_3.pt"]
-    # a missing state file means an empty buffer, as slime treats its own missing state
+    state = json.loads((folder / "april_state_3.json").read_text())
+    assert state["format"] == 2 and state["prompt_state"]["sample_offset"] == 0
+
+
+def test_a_missing_state_file_stops_the_job_naming_it(slime_mode, tmp_path, prompts):
+    # what a kill between slime's prompt state and ours used to leave: slime's file, not ours
+    args = make_args(tmp_path, prompts)
+    source = rollout.AprilDataSource(args)
+    source.get_samples(2)
+    source.save(3)
+    source.save(4)
+    folder = tmp_path / "ckpt" / "rollout"
+    (folder / "april_state_4.json").unlink()
     fresh = rollout.AprilDataSource(make_args(tmp_path, prompts, load=str(tmp_path / "ckpt")))
-    fresh.load(7)
-    assert len(fresh.buffer) == 0 and fresh.restored_policy_version is None
+    with pytest.raises(rollout.StateFileError) as err:
+        fresh.load(4)
+    message = str(err.value)
+    assert message.startswith(str(folder / "april_state_4.json") + ": missing")
+    assert "global_dataset_state_dict_4.pt" in message and "checkpoint 3" in message and "\n" not in message
+    fresh.load(3)  # the latest complete checkpoint loads
+    assert fresh._prompts.sample_group_index == 2
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage", "not_a_state", "bad_buffer"])
+def test_a_torn_or_corrupt_state_file_raises_naming_it(slime_mode, tmp_path, prompts, damage):
+    args = make_args(tmp_path, prompts)
+    source = rollout.AprilDataSource(args)
+    source.get_samples(2)
+    source.save(0)
+    path = tmp_path / "ckpt" / "rollout" / "april_state_0.json"
+    text = path.read_text()
+    damaged = {"truncated": text[: len(text) // 2], "empty": "", "garbage": "\x00\xff{",
+               "not_a_state": "[1, 2]",
+               "bad_buffer": text.replace('"buffer": {"format": 1', '"buffer": {"format": 9')}[damage]
+    assert damaged != text
+    path.write_text(damaged)
+    fresh = rollout.AprilDataSource(make_args(tmp_path, prompts, load=str(tmp_path / "ckpt")))
+    with pytest.raises(rollout.StateFileError) as err:
+        fresh.load(0)
+    assert str(err.value).startswith(str(path) + ":") and "\n" not in str(err.value)
+
+
+def test_stale_tmp_files_of_killed_saves_are_removed(slime_mode, tmp_path, prompts):
+    args = make_args(tmp_path, prompts, load=str(tmp_path / "ckpt"))
+    folder = tmp_path / "ckpt" / "rollout"
+    folder.mkdir(parents=True)
+    stale = [folder / ".april_state_5.json.abc123.tmp", folder / ".april_state_6.json.x.tmp"]
+    for p in stale:
+        p.write_text("{half")
+    keep = folder / "unrelated.tmp"
+    keep.write_text("")
+    source = rollout.AprilDataSource(args)
+    source.save(6)
+    assert not any(p.exists() for p in stale) and keep.exists()
+    stale[0].write_text("{half")
+    rollout.AprilDataSource(args).load(6)
+    assert not stale[0].exists()
+
+
+# ------------------------------------------------------------------ restarts under train.py and train_async.py
+def _trained_indices(output) -> list[int]:
+    return [g[0].group_index for g in output.samples]
+
+
+@pytest.mark.parametrize("loop", ["train", "train_async"])
+def test_a_restart_from_n_loses_and_repeats_nothing(cluster, tmp_path, prompts, loop):
+    """slime's train.py: generate N, save N, generate N+1. train_async.py: generate N, generate N+1
+    (queued first on the rollout actor), save N. Either way the job dies before N+1 is trained;
+    restarted from checkpoint N, every group is trained exactly once or still buffered."""
+    args = point_at(make_args(tmp_path, prompts, april_over_sampling_factor=3.0), cluster)
+    source = rollout.AprilDataSource(args)
+    trained = _trained_indices(rollout.generate_rollout(args, 0, source))
+    assert len(source.buffer) > 0, "over-sampling left nothing buffered; the test needs some"
+    if loop == "train":
+        source.save(0)
+        taken_by_1 = rollout.generate_rollout(args, 1, source)
+    else:
+        taken_by_1 = rollout.generate_rollout(args, 1, source)
+        source.save(0)
+    handed_out_by_1 = {g[0].group_index for g in taken_by_1.samples}
+    rollout.shutdown()  # the job dies here: step 1 was generated but never trained
+
+    restarted = point_at(make_args(tmp_path, prompts, april_over_sampling_factor=3.0, load=args.save), cluster)
+    cluster.bump(1)
+    source2 = rollout.AprilDataSource(restarted)
+    source2.load(0)
+    for rollout_id in (1, 2):
+        trained += _trained_indices(rollout.generate_rollout(restarted, rollout_id, source2))
+    buffered = [int(g.uid) for g in source2.buffer.groups()]
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    assert not set(trained) & set(buffered), "a trained group is still buffered"
+    handed_out = set(range(source2._prompts.sample_group_index))
+    assert handed_out == set(trained) | set(buffered), "a group handed out was lost"
+    assert handed_out_by_1 <= set(trained) | set(buffered)
+
+
+def test_snapshot_is_what_save_writes(slime_mode, tmp_path, prompts):
+    """save(N) after rollout N+1 writes rollout N's state, and slime's own file agrees with ours."""
+    args = make_args(tmp_path, prompts)
+    source = rollout.AprilDataSource(args)
+    source.next_groups(4, 1)
+    source.snapshot(0)
+    source.next_groups(4, 1)
+    source.snapshot(1)
+    source.save(0)
+    assert source._prompts.sample_group_index == 8  # the live position is untouched
+    state = json.loads((tmp_path / "ckpt" / "rollout" / "april_state_0.json").read_text())
+    assert state["prompt_state"]["sample_group_index"] == 4
+    fresh = rollout.AprilDataSource(make_args(tmp_path, prompts, load=args.save))
+    fresh._prompts.load(0)  # slime's own file, read by slime's own loader
+    assert fresh._prompts.sample_group_index == 4
 
 
 def test_add_samples_buffers_slime_groups_without_duplicates(cluster, tmp_path, prompts):

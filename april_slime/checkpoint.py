@@ -1,0 +1,212 @@
+"""The data source's checkpoint: what is saved with slime checkpoint N, when, and what a kill leaves.
+
+What is saved. One file per checkpoint, ``april_state_<N>.json`` (in ``april_buffer_dir``, default
+``<save>/rollout/``), holds the whole data-source state: slime's prompt position (``sample_offset``,
+``epoch_id``, ``sample_group_index``, ``sample_index``, ``metadata``, the fields slime's
+``RolloutDataSource.save`` writes), the partial buffer (every group with its tokens, log-probs and
+per-token versions, plus the buffer's counters) and the policy version. slime's own
+``global_dataset_state_dict_<N>.pt`` is still written, with the same prompt position, so slime's
+tools and slime's own data source read a consistent file.
+
+Which state. The state of checkpoint N is the state as of the end of ``generate_rollout(N)``: the
+rollout function calls ``AprilDataSource.snapshot(N)`` when step N's samples are complete, and
+``save(N)`` writes that snapshot, whatever ran in between. This is what makes a restart from N lose
+nothing under both of slime's loops:
+
+* ``train.py``: generate(N), train(N), save(N). Nothing touches the data source between the
+  snapshot and the save, so the snapshot is the current state.
+* ``train_async.py``: generate(N), then generate(N+1) is queued on the rollout actor before
+  save(N), so by the time save(N) runs, step N+1 has already taken prompts and buffered groups.
+  Saving the current state would skip them on a restart from N (the model of checkpoint N never
+  trained on them). The snapshot of N does not contain N+1's consumption, so a restart from N
+  hands out exactly what N+1 had taken again. The two latest snapshots are kept (N and N+1).
+
+A ``save(N)`` without a snapshot of N (a rollout function other than ours, or a save right after a
+restore) writes the current state.
+
+Which file wins. On ``load(N)`` the april file wins: the prompt position is restored from it (slime's
+shuffle for the epoch applied as slime's own ``load`` does), and slime's ``.pt`` is not read. Files
+written by older versions of this module (format 1, no prompt position) are read with slime's
+``.pt`` for the position.
+
+Write order and what a kill leaves. ``save(N)`` passes these named points (``SAVE_POINTS``):
+
+=====================  ===========================================  ===================================
+point                  on disk when killed here                      restart from N
+=====================  ===========================================  ===================================
+``begin``              nothing of N (stale ``.tmp`` files removed)   refused: april_state_N.json missing
+``prompt_state_written`` slime's ``.pt`` of N, fsynced               refused: april_state_N.json missing
+``tmp_partial``        + half of ``.april_state_N.json.*.tmp``      refused: april_state_N.json missing
+``tmp_synced``         + the complete ``.tmp``, fsynced, not renamed refused: april_state_N.json missing
+``renamed``            april_state_N.json complete (folder fsync     loads N completely
+                       pending: only power loss can undo the rename)
+``end``                everything, folder fsynced                    loads N completely
+=====================  ===========================================  ===================================
+
+The rename of ``april_state_N.json`` is the commit: before it, checkpoint N's data-source state
+does not exist and every earlier checkpoint is untouched (each N has its own files); after it, the
+whole state of N exists. A re-save of the same N replaces the file atomically (the old complete
+state until the rename). slime saves the model before the data source, so a kill before the
+rename leaves a model checkpoint N without its data-source state: ``load(N)`` then stops the job
+with one line naming the missing file and the latest complete checkpoint in the folder (resume
+from that one, e.g. with ``--ckpt-step``), never an empty buffer or a rewound prompt position.
+A torn, truncated or otherwise corrupt state file raises ``StateFileError`` naming the file. The
+temporary files of killed saves are removed by the next ``save`` or ``load`` in that folder.
+
+Fault injection. ``SAVE_POINT_HOOK`` (a callable taking the point name, or None) is called at every
+point; a hook that raises an exception deriving from ``BaseException`` but not ``Exception`` leaves
+the disk exactly as a kill there does (the temporary file is not cleaned up). With the environment
+variable ``APRIL_SLIME_SAVE_KILL_AT=<point>`` the process sends itself SIGKILL at that point: a real
+kill -9 mid-save, for subprocess tests (``tests/test_save_kill.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from april_slime.jsonfile import StateFileError, fsync_dir, fsync_file, remove_stale_tmp
+
+STATE_FORMAT = 2
+READABLE_FORMATS = (1, 2)
+STATE_FILE = "april_state_{rollout_id}.json"
+SLIME_STATE_FILE = "global_dataset_state_dict_{rollout_id}.pt"
+_STATE_FILE_RE = re.compile(r"^april_state_(\d+)\.json$")
+
+SAVE_POINTS = ("begin", "prompt_state_written", "tmp_partial", "tmp_synced", "renamed", "end")
+KILL_AT_ENV = "APRIL_SLIME_SAVE_KILL_AT"
+SAVE_POINT_HOOK: Callable[[str], None] | None = None
+
+# The fields slime's RolloutDataSource.save / load carry, at the pinned commit.
+PROMPT_STATE_KEYS = ("sample_offset", "epoch_id", "sample_group_index", "sample_index", "metadata")
+
+
+def at_save_point(name: str) -> None:
+    if name not in SAVE_POINTS:
+        raise ValueError(f"unknown save point {name!r}; known: {', '.join(SAVE_POINTS)}")
+    if SAVE_POINT_HOOK is not None:
+        SAVE_POINT_HOOK(name)
+    if os.environ.get(KILL_AT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------- slime's prompt position
+def prompt_state(prompts: Any) -> dict[str, Any]:
+    """slime's prompt position, as plain JSON values."""
+    state = {key: getattr(prompts, key) for key in PROMPT_STATE_KEYS if hasattr(prompts, key)}
+    return json.loads(json.dumps(state, default=_plain_default, allow_nan=False))
+
+
+def _plain_default(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"slime data-source state of type {type(obj).__name__} is not plain JSON")
+
+
+@contextlib.contextmanager
+def prompt_state_as(prompts: Any, state: dict[str, Any]) -> Iterator[None]:
+    """slime's data source shows ``state`` for the duration (so its ``save`` writes it), then its
+    own position again."""
+    current = {key: getattr(prompts, key) for key in state}
+    for key, value in state.items():
+        setattr(prompts, key, value)
+    try:
+        yield
+    finally:
+        for key, value in current.items():
+            setattr(prompts, key, value)
+
+
+def restore_prompt_state(prompts: Any, state: dict[str, Any], args: Any) -> None:
+    """What slime's ``RolloutDataSource.load`` does with its file, from our file's copy."""
+    for key in PROMPT_STATE_KEYS:
+        if key in state:
+            setattr(prompts, key, state[key])
+    dataset = getattr(prompts, "dataset", None)
+    if getattr(args, "rollout_shuffle", False) and dataset is not None:
+        dataset.shuffle(prompts.epoch_id)
+
+
+# ---------------------------------------------------------------------------- snapshots
+@dataclass(frozen=True)
+class Snapshot:
+    """The data-source state as of the end of one rollout, ready to be written."""
+
+    rollout_id: int
+    prompt_state: dict[str, Any]
+    text: str  # the complete state file
+
+    @classmethod
+    def take(cls, rollout_id: int, prompts: Any, buffer_state: dict[str, Any],
+             policy_version: int | None) -> "Snapshot":
+        position = prompt_state(prompts)
+        state = {"format": STATE_FORMAT, "rollout_id": rollout_id, "policy_version": policy_version,
+                 "prompt_state": position, "buffer": buffer_state}
+        try:
+            text = json.dumps(state, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"rollout {rollout_id}: data-source state is not plain JSON ({e})") from e
+        return cls(rollout_id, position, text)
+
+
+# ---------------------------------------------------------------------------- files
+def state_file(folder: Path, rollout_id: int) -> Path:
+    return folder / STATE_FILE.format(rollout_id=rollout_id)
+
+
+def remove_stale_tmp_files(folder: Path) -> list[Path]:
+    return remove_stale_tmp(folder, "april_state_*.json")
+
+
+def complete_checkpoints(folder: Path) -> list[int]:
+    """Rollout ids with a committed state file in ``folder``, ascending."""
+    if not folder.is_dir():
+        return []
+    ids = (_STATE_FILE_RE.match(p.name) for p in folder.iterdir())
+    return sorted(int(m.group(1)) for m in ids if m)
+
+
+def sync_slime_state(folder: Path, rollout_id: int) -> None:
+    """slime writes its ``.pt`` with a plain ``torch.save``; flush it before the commit."""
+    path = folder / SLIME_STATE_FILE.format(rollout_id=rollout_id)
+    if path.exists():
+        fsync_file(path)
+        fsync_dir(folder)
+
+
+def missing_state_error(path: Path, rollout_id: int, slime_folder: Path | None) -> StateFileError:
+    slime_file = slime_folder / SLIME_STATE_FILE.format(rollout_id=rollout_id) if slime_folder else None
+    if slime_file is not None and slime_file.exists():
+        why = f"slime's {slime_file.name} of checkpoint {rollout_id} exists, so its save was cut off"
+    else:
+        why = f"checkpoint {rollout_id} has no data-source state (its save was cut off or the file removed)"
+    earlier = [i for i in complete_checkpoints(path.parent) if i < rollout_id]
+    hint = (f"latest complete state there is checkpoint {earlier[-1]}: resume from it (e.g. --ckpt-step "
+            f"{earlier[-1]})" if earlier else "no earlier complete state there")
+    return StateFileError(f"{path}: missing; {why}; the partial buffer and prompt position of that "
+                          f"checkpoint are unknown, so the job stops rather than lose or repeat groups; {hint}")
+
+
+def parse_state(path: Path, value: Any, rollout_id: int) -> dict[str, Any]:
+    """Check the shape of a state file's JSON; errors name the file."""
+    if not isinstance(value, dict):
+        raise StateFileError(f"{path}: not a data-source state (a JSON {type(value).__name__})")
+    fmt = value.get("format")
+    if fmt not in READABLE_FORMATS:
+        raise StateFileError(f"{path}: state format {fmt!r}, expected one of {READABLE_FORMATS}")
+    if value.get("rollout_id", rollout_id) != rollout_id:
+        raise StateFileError(f"{path}: holds rollout {value.get('rollout_id')!r}, expected {rollout_id}")
+    if not isinstance(value.get("buffer"), dict):
+        raise StateFileError(f"{path}: no buffer state")
+    if fmt >= 2 and not isinstance(value.get("prompt_state"), dict):
+        raise StateFileError(f"{path}: no prompt position")
+    version = value.get("policy_version")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        raise StateFileError(f"{path}: policy_version must be an integer or null, got {version!r}")
+    return value

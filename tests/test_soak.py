@@ -1,0 +1,633 @@
+"""Fault-injection soak of the rollout side, with a ledger kept outside the scheduler.
+
+Part 1 (virtual clock, in-process emulator): ``SOAK_STEPS`` rollout steps of the production
+scheduler on ``AprilDataSource`` (slime's data source: the stand-in here, or real slime), every
+step with faults armed from every class below, and checkpoints whose saves are killed at every
+save point in turn, each followed by a restart from the last complete checkpoint, under slime's
+``train.py`` and ``train_async.py`` orders alternately. Fault classes:
+
+  http_5xx, hang (a generate that never answers), engine_kill (an engine drops every connection
+  and restarts after a while), wedged_engine (accepts requests, answers nothing, for a while),
+  malformed (no meta_info, NaN log-prob, count mismatch), wrong (positive log-prob, another rid's
+  reply, an out-of-vocabulary output token, version spans that do not cover the output, more
+  tokens than asked), abort_fail (HTTP 500), abort_hang, reject_4xx, oov_prompt (a prompt with an
+  id outside the vocabulary: must never reach an engine), cancel (run_step cancelled mid-way),
+  reward_fail, plus a group filter that rejects some groups.
+
+After every step (successful, failed, cancelled or restarted) the ledger checks that every group
+handed out by the prompt source is in exactly one place: delivered once (trained), in the buffer,
+or dropped with a reason the scheduler reported and counted. Every delivered and buffered token
+is checked against the emulator's reference stream (so no malformed reply ever reached a sample).
+
+Part 2 (real HTTP, real processes): two emulator engine processes; one is SIGKILLed during a
+step and restarted on the same port, the ledger checked after every step.
+
+The figures of a run (steps, faults injected per class, step times) are printed with ``-s``;
+``APRIL_SOAK_STEPS`` changes the number of steps (CI default: 1000).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import slime_standin
+from april_slime import checkpoint, rollout
+from april_slime.config import AprilConfig
+from april_slime.emulator.model import LengthModel, SyntheticLM
+from april_slime.emulator.testing import start_cluster
+from april_slime.emulator.vclock import run_virtual
+from april_slime.engine import EngineClient, HttpTransport, TransportHTTPError
+from april_slime.jsonfile import StateFileError
+from april_slime.scheduler import RolloutScheduler, RolloutStepError
+from april_slime.buffer import PartialBuffer
+from april_slime.types import Group, Trajectory, TrajectoryStatus
+
+SOAK_STEPS = int(os.environ.get("APRIL_SOAK_STEPS", "1000"))
+SEED = 20261123
+N_SAMPLES, BATCH, MAX_LEN = 2, 3, 48
+CHECKPOINT_EVERY = 6
+LENGTH = LengthModel(median_tokens=14.0, prompt_sigma=0.5, truncation_fraction=0.1)
+
+FAULTS = ("http_5xx", "hang", "engine_kill", "wedged_engine", "malformed", "wrong", "abort_fail",
+          "abort_hang", "reject_4xx", "oov_prompt", "cancel", "reward_fail")
+
+
+class Killed(BaseException):
+    """A kill at a save point: derives from BaseException only, so nothing cleans up after it
+    (the disk is left exactly as a SIGKILL there leaves it, see april_slime.checkpoint)."""
+
+
+# ====================================================================== the faulty engines
+class FaultyTransport:
+    """The emulator's in-process transport with faults injected per request, as armed per step."""
+
+    def __init__(self, running, rng: random.Random, vocab: int):
+        self.inner = running.transport
+        self.cluster = running.cluster
+        self.urls = list(running.engine_urls)
+        self.rng = rng
+        self.vocab = vocab
+        self.armed: set[str] = set()
+        self.down_until: dict[str, float] = {}
+        self.wedged_until: dict[str, float] = {}
+        self.epoch = Counter()  # url -> kills so far (a request across a kill loses its connection)
+        self.injected: Counter[str] = Counter()
+        self.oov_sent = 0
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _fire(self, fault: str, p: float) -> bool:
+        if fault in self.armed and self.rng.random() < p:
+            self.injected[fault] += 1
+            return True
+        return False
+
+    def kill(self, url: str, for_s: float) -> None:
+        self.down_until[url] = self.now() + for_s
+        self.epoch[url] += 1
+        self.cluster.engines[self.urls.index(url)].abort(abort_all=True)  # its state dies with it
+
+    async def request(self, method, url, path, payload, timeout_s):
+        url = url.rstrip("/")
+        if path == "/generate" and payload and max(payload["input_ids"]) >= self.vocab:
+            self.oov_sent += 1
+        if self.now() < self.down_until.get(url, -1.0):
+            raise ConnectionRefusedError(f"{url} is down")
+        if self.now() < self.wedged_until.get(url, -1.0):
+            await asyncio.Event().wait()  # accepted, never answered
+        epoch = self.epoch[url]
+        if path == "/abort_request":
+            if self._fire("abort_fail", 0.3):
+                raise TransportHTTPError(500, {"error": "abort failed"})
+            if self._fire("abort_hang", 0.3):
+                await asyncio.Event().wait()
+            await self.inner.request(method, url, path, payload, timeout_s)
+            return None  # SGLang answers an abort with an empty body
+        if path != "/generate" or payload.get("rid", "").startswith("april-probe-"):
+            return await self.inner.request(method, url, path, payload, timeout_s)
+        if self._fire("engine_kill", 0.02):
+            self.kill(url, self.rng.uniform(2.0, 40.0))
+            raise ConnectionResetError(f"{url} was killed")
+        if self._fire("http_5xx", 0.05):
+            raise TransportHTTPError(503, {"error": "overloaded"})
+        if self._fire("reject_4xx", 0.01):
+            raise TransportHTTPError(400, {"error": "invalid request"})
+        if self._fire("hang", 0.01):
+            await asyncio.Event().wait()
+        reply = await self.inner.request(method, url, path, payload, timeout_s)
+        if self.epoch[url] != epoch:
+            raise ConnectionResetError(f"{url} was killed during the request")
+        if self._fire("malformed", 0.03):
+            reply = self._malformed(reply)
+        elif self._fire("wrong", 0.03):
+            reply = self._wrong(reply, payload)
+        return reply
+
+    def _malformed(self, reply: dict) -> dict:
+        kind = self.rng.choice(["no_meta", "nan", "count"])
+        if kind == "no_meta":
+            return {"text": "", "output_ids": reply["output_ids"]}
+        triples = reply["meta_info"]["output_token_logprobs"]
+        if kind == "nan" and triples:
+            triples[0][0] = float("nan")
+        else:
+            reply["output_ids"] = reply["output_ids"] + [7]
+        return reply
+
+    def _wrong(self, reply: dict, payload: dict) -> dict:
+        meta = reply["meta_info"]
+        triples = meta["output_token_logprobs"]
+        kind = self.rng.choice(["positive_logprob", "other_rid", "oov_token", "spans", "too_many"])
+        if kind == "positive_logprob" and triples:
+            triples[-1][0] = 0.5
+        elif kind == "oov_token" and triples:
+            triples[-1][1] = reply["output_ids"][-1] = self.vocab + 3
+        elif kind == "spans":
+            n = len(reply["output_ids"])
+            meta["weight_versions"] = [{"version": meta["weight_version"], "start": 0, "end": n + 1}]
+        elif kind == "too_many":
+            extra = payload["sampling_params"]["max_new_tokens"] + 1 - len(reply["output_ids"])
+            reply["output_ids"] = reply["output_ids"] + [11] * extra
+            triples.extend([[-1.0, 11, None]] * extra)
+            meta["completion_tokens"] = len(reply["output_ids"])
+        else:
+            meta["id"] = payload["rid"] + "x"
+        return reply
+
+    async def close(self):
+        pass
+
+
+# ====================================================================== the ledger
+class Ledger:
+    """Where every group handed out is, kept from what the test sees (never from the scheduler's
+    own books, except the reason of a drop, which it must report)."""
+
+    def __init__(self):
+        self.handed_out: set[str] = set()
+        self.delivered: list[str] = []
+        self.dropped: dict[str, str] = {}
+        self.checkpoints: dict[int, tuple] = {}
+
+    def check(self, buffer, where: str) -> None:
+        buffered = {g.uid for g in buffer.groups()}
+        delivered = set(self.delivered)
+        assert len(delivered) == len(self.delivered), f"{where}: a group was delivered twice"
+        assert not delivered & buffered, f"{where}: a delivered group is still buffered"
+        assert not set(self.dropped) & (delivered | buffered), f"{where}: a dropped group came back"
+        missing = self.handed_out - delivered - buffered - set(self.dropped)
+        assert not missing, f"{where}: groups lost: {sorted(missing)[:10]}"
+        extra = (delivered | buffered) - self.handed_out
+        assert not extra, f"{where}: groups from nowhere: {sorted(extra)[:10]}"
+
+    def save(self, k: int) -> None:
+        self.checkpoints[k] = (set(self.handed_out), list(self.delivered), dict(self.dropped))
+
+    def restore(self, k: int) -> None:
+        handed, delivered, dropped = self.checkpoints[k]
+        self.handed_out, self.delivered, self.dropped = set(handed), list(delivered), dict(dropped)
+
+
+class LedgerPrompts:
+    """The data source as the scheduler's prompt source, recording every group it hands out
+    (and, when armed, corrupting a prompt with an out-of-vocabulary id)."""
+
+    def __init__(self, source, ledger: Ledger, soak: "Soak"):
+        self.source, self.ledger, self.soak = source, ledger, soak
+
+    def next_groups(self, n, current_version):
+        groups = self.source.next_groups(n, current_version)
+        for g in groups:
+            self.ledger.handed_out.add(g.uid)
+            if self.soak.transport._fire("oov_prompt", 0.05):
+                bad = g.prompt_ids[:-1] + [self.soak.vocab + 1]
+                g.prompt_ids = bad
+                for t in g.trajectories:
+                    t.prompt_ids = list(bad)
+        return groups
+
+
+# ====================================================================== the soak
+class Soak:
+    def __init__(self, running, tmp_path: Path, prompts_path: str):
+        self.running = running
+        self.model = running.cluster.model
+        self.vocab = self.model.vocab_size
+        self.rng = random.Random(SEED)
+        self.transport = FaultyTransport(running, random.Random(SEED + 1), self.vocab)
+        self.client = EngineClient(running.engine_urls, transport=self.transport, vocab_size=self.vocab,
+                                   max_retries=2, retry_backoff_s=0.5)  # default 3600 s timeout
+        self.ckpt = str(tmp_path / "ckpt")
+        self.prompts_path = prompts_path
+        self.ledger = Ledger()
+        self.figures: Counter[str] = Counter()
+        self.step_times: list[float] = []
+        self.save_points = [(order, point) for order in ("train", "train_async")
+                            for point in checkpoint.SAVE_POINTS]
+        self.kills_done: Counter[tuple[str, str]] = Counter()
+        self.restarts = 0
+
+    # ------------------------------------------------------------ one process life of the trainer
+    def start(self, load: int | None):
+        args = SimpleNamespace(
+            prompt_data=self.prompts_path, input_key="prompt", label_key=None, rollout_global_dataset=True,
+            hf_checkpoint="toy", rollout_seed=1, rollout_shuffle=False, n_samples_per_prompt=N_SAMPLES,
+            rollout_batch_size=BATCH, over_sampling_batch_size=BATCH, rollout_max_response_len=MAX_LEN,
+            rollout_top_p=1.0, save=self.ckpt, load=self.ckpt if load is not None else None,
+            april_policy="copris")
+        self.source = rollout.AprilDataSource(args)
+        if load is not None:
+            try:
+                self.source.load(load)
+            except StateFileError:
+                self.figures["refused_loads"] += 1
+                complete = [c for c in checkpoint.complete_checkpoints(Path(self.ckpt) / "rollout") if c < load]
+                load = max(complete) if complete else None
+                if load is not None:
+                    self.source = rollout.AprilDataSource(args)
+                    self.source.load(load)
+            if load is None:  # nothing complete yet: a fresh start
+                args.load = None
+                self.source = rollout.AprilDataSource(args)
+                self.ledger = Ledger()
+            else:
+                self.ledger.restore(load)
+        self.loaded = load
+        self.policy = ["sync", "april", "copris"][self.restarts % 3]
+        self.order = "train" if (self.restarts // 3) % 2 == 0 else "train_async"
+        config = AprilConfig.from_dict({"policy": self.policy, "over_sampling_factor": 2.0})
+        self.sched = RolloutScheduler(
+            config, self.client, self.source.buffer, rollout_batch_size=BATCH,
+            n_samples_per_prompt=N_SAMPLES, sampling_params={"temperature": 1.0},
+            reward_fn=self.reward, group_filter=self.keep, eos_token_id=self.model.eos_token_id)
+        self.prompts = LedgerPrompts(self.source, self.ledger, self)
+        self.ledger.check(self.source.buffer, f"restart from {load}")
+
+    async def reward(self, group: Group) -> None:
+        await asyncio.sleep(0.01)
+        if self.transport._fire("reward_fail", 0.02):
+            raise RuntimeError("reward model unreachable")
+        for t in group.trajectories:
+            t.reward = float(t.response_length % 2)
+
+    def keep(self, group: Group) -> bool:
+        return int(group.uid) % 10 != 7  # a fixed tenth of the prompts fails the filter
+
+    # ------------------------------------------------------------ one rollout step
+    async def step(self, k: int) -> None:
+        loop = asyncio.get_running_loop()
+        t = self.transport
+        t.armed = set(self.rng.sample(FAULTS, self.rng.randint(2, 5)))
+        if "wedged_engine" in t.armed and self.rng.random() < 0.2:
+            url = self.rng.choice(t.urls)
+            t.wedged_until[url] = loop.time() + self.rng.uniform(30.0, 400.0)
+            t.injected["wedged_engine"] += 1
+        version = self.running.cluster.engines[0].weight_version
+        self.source.policy_version = version
+        start = loop.time()
+        task = loop.create_task(self.sched.run_step(self.prompts, version))
+        if t._fire("cancel", 0.3):
+            await asyncio.sleep(self.rng.uniform(0.0, 3.0))
+            task.cancel()  # a no-op when the step is already done
+        try:
+            result = await task
+        except asyncio.CancelledError:
+            self.figures["cancelled_steps"] += 1
+            result = None
+        except RolloutStepError:
+            self.figures["failed_steps"] += 1
+            result = None
+        self.step_times.append(loop.time() - start)
+        self.ledger.dropped.update(self.sched.last_dropped)
+        if result is not None:
+            self.figures["delivered_steps"] += 1
+            assert len(result.groups) == BATCH
+            self.ledger.delivered += [g.uid for g in result.groups]
+            for g in result.groups:
+                assert g.complete and all(tr.reward is not None for tr in g.trajectories)
+                self.check_tokens(g)
+        for g in self.source.buffer.groups():
+            self.check_tokens(g)
+        self.ledger.check(self.source.buffer, f"step {k}")
+        self.figures["steps"] += 1
+        self.figures["faulted_steps"] += bool(t.armed)
+        self.running.cluster.bump_weight_version()
+        self.source.snapshot(k)
+        self.ledger.save(k)
+
+    def check_tokens(self, g: Group) -> None:
+        for tr in g.trajectories:
+            assert tr.status is not TrajectoryStatus.RUNNING
+            if not tr.response_ids:
+                continue
+            ids, lps = self.model.reference(tr.prompt_ids, tr.sampling_seed, len(tr.prompt_ids),
+                                            tr.token_versions())
+            assert tr.response_ids == ids and tr.logprobs == lps, f"{tr.uid}: tokens differ from the engine's"
+
+    # ------------------------------------------------------------ checkpoints
+    def save(self, k: int) -> bool:
+        """Save checkpoint k, killed at the next save point not yet covered (until all are).
+        Returns False when the process was killed."""
+        plan = [p for p in self.save_points if p[0] == self.order and self.kills_done[p] == 0]
+        kill_at = plan[0][1] if plan and self.rng.random() < 0.5 else None
+
+        def hook(point):
+            if point == kill_at:
+                raise Killed(point)
+
+        checkpoint.SAVE_POINT_HOOK = hook
+        try:
+            self.source.save(k)
+        except Killed:
+            self.kills_done[(self.order, kill_at)] += 1
+            return False
+        finally:
+            checkpoint.SAVE_POINT_HOOK = None
+        return True
+
+    async def run(self, steps: int) -> None:
+        self.start(None)
+        k = 0
+        while k < steps:
+            alive, checkpointed = True, None
+            await self.step(k)
+            if k % CHECKPOINT_EVERY == CHECKPOINT_EVERY - 1:
+                checkpointed = k
+                if self.order == "train_async":  # generate k+1 runs before save k
+                    k += 1
+                    await self.step(k)
+                alive = self.save(checkpointed)
+            k += 1
+            if not alive:
+                self.restart(checkpointed)
+            elif checkpointed is not None and (checkpointed // CHECKPOINT_EVERY) % 4 == 3:
+                self.restart(checkpointed)  # a planned restart: also rotates the policy and the loop
+
+    def restart(self, model_checkpoint: int) -> None:
+        """The trainer comes back from its model checkpoint; the data source loads the same one,
+        or (its save was killed before the commit) is refused by name and the job restarts from
+        the latest complete one, as the message says."""
+        self.restarts += 1
+        self.start(model_checkpoint)
+
+
+@pytest.fixture
+def quiet():
+    """Thousands of injected faults each log a warning; formatting them costs more than the soak."""
+    logger = logging.getLogger("april_slime")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)
+
+
+@pytest.fixture
+def slime(monkeypatch):
+    mode = slime_standin.install(monkeypatch)
+    if mode == "real":
+        slime_standin.patch_real_tokenizer(monkeypatch)
+    yield mode
+    checkpoint.SAVE_POINT_HOOK = None
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i:04d} solve"}) + "\n" for i in range(600)))
+    return str(path)
+
+
+def test_soak_virtual_clock_every_fault_class(slime, quiet, tmp_path, prompts_file):
+    async def main():
+        async with start_cluster(num_engines=3, seed=SEED % 1000, time_scale=1.0, http=False,
+                                 length=LENGTH) as running:
+            soak = Soak(running, tmp_path, prompts_file)
+            await soak.run(SOAK_STEPS)
+            return soak
+
+    wall = time.monotonic()
+    soak = run_virtual(main())
+    wall = time.monotonic() - wall
+    f, t = soak.figures, soak.transport
+    times = sorted(soak.step_times)
+    report = {
+        "steps": f["steps"], "faulted_steps": f["faulted_steps"], "delivered_steps": f["delivered_steps"],
+        "failed_steps": f["failed_steps"], "cancelled_steps": f["cancelled_steps"],
+        "restarts": soak.restarts, "refused_loads": f["refused_loads"],
+        "killed_saves": {f"{o}/{p}": n for (o, p), n in sorted(soak.kills_done.items())},
+        "faults_injected": dict(sorted(t.injected.items())), "groups_handed_out": len(soak.ledger.handed_out),
+        "groups_delivered": len(soak.ledger.delivered), "groups_buffered": len(soak.source.buffer),
+        "groups_dropped": dict(Counter(soak.ledger.dropped.values())), "lost": 0, "duplicated": 0,
+        "step_time_median_s": times[len(times) // 2], "step_time_p99_s": times[int(0.99 * (len(times) - 1))],
+        "step_time_max_s": times[-1], "wall_s": round(wall, 1),
+    }
+    print("\nsoak:", json.dumps(report, indent=1))
+    assert f["steps"] >= SOAK_STEPS and f["faulted_steps"] == f["steps"]
+    assert set(t.injected) == set(FAULTS), f"fault classes never injected: {set(FAULTS) - set(t.injected)}"
+    assert t.oov_sent == 0, "an out-of-vocabulary id reached an engine"
+    assert set(soak.kills_done) == set(soak.save_points), "a save point was never killed"
+    assert f["delivered_steps"] > SOAK_STEPS // 2
+
+
+@pytest.mark.parametrize("policy", ["sync", "april", "copris"])
+def test_one_wedged_engine_bounds_every_step(quiet, policy):
+    """Default settings, emulated engines: after some healthy steps one engine accepts requests
+    and never answers again (not even probes or aborts). No step takes longer than twice the
+    longest healthy step plus the documented deadline (stall_probe_after_s + probe_timeout_s,
+    90 s), and the steps after the first are no slower than twice a healthy one."""
+
+    async def main():
+        async with start_cluster(num_engines=2, seed=9, time_scale=1.0, http=False, length=LENGTH) as running:
+            transport = FaultyTransport(running, random.Random(1), running.cluster.model.vocab_size)
+            client = EngineClient(running.engine_urls, transport=transport)  # every default
+            config = AprilConfig.from_dict({"policy": policy})
+            sched = RolloutScheduler(config, client, PartialBuffer(), rollout_batch_size=4,
+                                     n_samples_per_prompt=N_SAMPLES, sampling_params={"temperature": 1.0})
+
+            class Prompts:
+                made = 0
+
+                def next_groups(self, n, v):
+                    out = []
+                    for _ in range(n):
+                        i, Prompts.made = Prompts.made, Prompts.made + 1
+                        prompt = [10 + i, 20 + 3 * i, 30 + 7 * i, 40 + 11 * i]
+                        out.append(Group(uid=f"w{i}", prompt_ids=prompt, trajectories=[
+                            Trajectory(uid=f"w{i}/{j}", group_uid=f"w{i}", index_in_group=j,
+                                       prompt_ids=list(prompt), max_new_tokens=MAX_LEN, sampling_seed=j)
+                            for j in range(N_SAMPLES)]))
+                    return out
+
+            loop = asyncio.get_running_loop()
+            times = []
+            for step in range(10):
+                if step == 5:
+                    transport.wedged_until[running.engine_urls[1]] = float("inf")
+                start = loop.time()
+                res = await asyncio.wait_for(sched.run_step(Prompts(), step), 3 * 3600)
+                assert len(res.groups) == 4
+                times.append(loop.time() - start)
+            return times, sched
+
+    times, sched = run_virtual(main())
+    healthy, wedged = times[:5], times[5:]
+    deadline = sched.stall_probe_after_s + sched.probe_timeout_s
+    assert max(wedged) <= 2 * max(healthy) + deadline, (healthy, wedged)
+    assert max(wedged[1:]) <= 2 * max(healthy), (healthy, wedged)
+    print(f"\n{policy}: healthy steps {[round(t, 1) for t in healthy]} s, "
+          f"one engine wedged {[round(t, 1) for t in wedged]} s (virtual)")
+
+
+# ====================================================================== part 2: real processes
+EMU_SEED = 5
+
+
+def _free_port_pair() -> int:
+    """A port P with P and P+1 free (an emulator process puts its router on P, its engine on P+1)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+class EngineProcess:
+    """One emulated SGLang engine in its own process, restartable on the same port."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port + 1}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "april_slime.emulator", "--port", str(self.port), "--engines", "1",
+             "--seed", str(EMU_SEED), "--length-dist", "short", "--time-scale", "4"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2):  # "router URL" then "engine URL" once it serves
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"emulator did not start: {self.proc.stderr.read()}")
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+
+
+@pytest.fixture
+def engine_processes():
+    engines = [EngineProcess(_free_port_pair()) for _ in range(2)]
+    try:
+        for e in engines:
+            e.start()
+        yield engines
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def test_http_engine_killed_mid_step_and_restarted(quiet, engine_processes):
+    """SIGKILL of a real engine process while a step has requests on it, a restart on the same
+    port, and a second kill that lasts two steps: no step loses or repeats a group, every token is
+    the engine's, and the restarted engine comes back into dispatch."""
+    model = SyntheticLM(seed=EMU_SEED, length=LengthModel.parse("short"))
+    victim, other = engine_processes
+
+    class Prompts:
+        def __init__(self):
+            self.made = 0
+
+        def next_groups(self, n, current_version):
+            out = []
+            for _ in range(n):
+                i = self.made
+                self.made += 1
+                prompt = [10 + i, 20 + 3 * i, 30 + 7 * i, 40 + 11 * i, 5, 6]
+                trajs = [Trajectory(uid=f"h{i}/{j}", group_uid=f"h{i}", index_in_group=j,
+                                    prompt_ids=list(prompt), max_new_tokens=64, sampling_seed=100 + j)
+                         for j in range(N_SAMPLES)]
+                out.append(Group(uid=f"h{i}", prompt_ids=prompt, trajectories=trajs))
+                ledger.handed_out.add(f"h{i}")
+            return out
+
+    ledger = Ledger()
+
+    async def main():
+        transport = HttpTransport()
+        client = EngineClient([victim.url, other.url], transport=transport, timeout_s=30.0, max_retries=2,
+                              retry_backoff_s=0.1, vocab_size=model.vocab_size)
+        buffer = PartialBuffer()
+        sched = RolloutScheduler(AprilConfig.from_dict({"policy": "copris", "concurrency": 8}), client, buffer,
+                                 rollout_batch_size=BATCH, n_samples_per_prompt=N_SAMPLES,
+                                 sampling_params={"temperature": 1.0}, drain_timeout_s=5.0,
+                                 probe_timeout_s=2.0, probe_interval_s=0.2)
+        prompts = Prompts()
+        loop = asyncio.get_running_loop()
+        victim_calls = []
+        try:
+            for step in range(12):
+                before = client.stats[victim.url].calls
+                task = loop.create_task(sched.run_step(prompts, 0))
+                if step in (2, 6):
+                    while client.stats[victim.url].calls == before:  # requests are on the victim
+                        await asyncio.sleep(0.002)
+                    assert not task.done()
+                    victim.kill()
+                try:
+                    result = await task
+                    ledger.delivered += [g.uid for g in result.groups]
+                    for g in result.groups:
+                        check_against(model, g)
+                except RolloutStepError:
+                    pass
+                ledger.dropped.update(sched.last_dropped)
+                for g in buffer.groups():
+                    check_against(model, g)
+                ledger.check(buffer, f"http step {step}")
+                victim_calls.append(client.stats[victim.url].calls - before)
+                if step in (3, 8):
+                    await loop.run_in_executor(None, victim.start)
+        finally:
+            await client.close()
+            await transport.close()
+        return victim_calls, sched
+
+    victim_calls, sched = asyncio.run(main())
+    assert victim_calls[7] == 0, "a killed engine kept getting requests"
+    # back in dispatch once its probe answers (a step may end before that)
+    assert sum(victim_calls[4:6]) > 0 and sum(victim_calls[9:]) > 0, "the restarted engine did not come back"
+    assert victim.url not in sched.health.excluded
+    assert len(ledger.delivered) >= 7 * BATCH
+
+
+def check_against(model, g: Group) -> None:
+    for tr in g.trajectories:
+        assert tr.status is not TrajectoryStatus.RUNNING
+        ids, lps = model.reference(tr.prompt_ids, tr.sampling_seed, len(tr.prompt_ids), tr.token_versions())
+        assert tr.response_ids == ids and tr.logprobs == lps, tr.uid
