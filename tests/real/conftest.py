@@ -101,11 +101,15 @@ class RealStack:
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         return self._tokenizer
 
+    def weight_versions(self) -> list[int]:
+        return [int(http_json("GET", f"{u}/model_info")[1]["weight_version"]) for u in self.engine_urls]
+
     def weight_version(self) -> int:
-        """The engines' current weight version (they always agree here)."""
-        versions = {http_json("GET", f"{u}/model_info")[1]["weight_version"] for u in self.engine_urls}
-        assert len(versions) == 1, f"engines disagree on the weight version: {versions}"
-        return int(versions.pop())
+        """The engines' current weight version; they must agree (``restore_weights`` re-aligns
+        them after a test that updated one engine only)."""
+        versions = self.weight_versions()
+        assert len(set(versions)) == 1, f"engines disagree on the weight version: {versions}"
+        return versions[0]
 
     def push_weights(self, model_path: str | os.PathLike, version: int) -> None:
         """What slime's disk-based weight update does: every engine loads ``model_path`` and
@@ -116,8 +120,8 @@ class RealStack:
             assert status == 200 and reply["success"], reply
 
     def restore_weights(self) -> int:
-        """Back to the starting weights, under a fresh version; returns that version."""
-        version = self.weight_version() + 1
+        """Every engine back to the starting weights, under one fresh version; returns it."""
+        version = max(self.weight_versions()) + 1
         self.push_weights(self.model_path, version)
         return version
 
