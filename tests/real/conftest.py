@@ -13,8 +13,6 @@ read ``real_stack.weight_version()``), and no test leaves requests running.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import importlib.util
 import json
 import os
@@ -26,7 +24,9 @@ from typing import Any
 
 import pytest
 
-from april_slime.localstack import LocalStack, build_tiny_qwen3, local_stack, real_stack_missing
+from april_slime.localstack import (  # noqa: F401  (SlimeRolloutManager: for the tests)
+    LocalStack, SlimeRolloutManager, build_tiny_qwen3, local_stack, real_stack_missing, slime_args,
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -101,11 +101,15 @@ class RealStack:
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         return self._tokenizer
 
+    def weight_versions(self) -> list[int]:
+        return [int(http_json("GET", f"{u}/model_info")[1]["weight_version"]) for u in self.engine_urls]
+
     def weight_version(self) -> int:
-        """The engines' current weight version (they always agree here)."""
-        versions = {http_json("GET", f"{u}/model_info")[1]["weight_version"] for u in self.engine_urls}
-        assert len(versions) == 1, f"engines disagree on the weight version: {versions}"
-        return int(versions.pop())
+        """The engines' current weight version; they must agree (``restore_weights`` re-aligns
+        them after a test that updated one engine only)."""
+        versions = self.weight_versions()
+        assert len(set(versions)) == 1, f"engines disagree on the weight version: {versions}"
+        return versions[0]
 
     def push_weights(self, model_path: str | os.PathLike, version: int) -> None:
         """What slime's disk-based weight update does: every engine loads ``model_path`` and
@@ -116,8 +120,8 @@ class RealStack:
             assert status == 200 and reply["success"], reply
 
     def restore_weights(self) -> int:
-        """Back to the starting weights, under a fresh version; returns that version."""
-        version = self.weight_version() + 1
+        """Every engine back to the starting weights, under one fresh version; returns it."""
+        version = max(self.weight_versions()) + 1
         self.push_weights(self.model_path, version)
         return version
 
@@ -152,92 +156,6 @@ def real_stack(tmp_path_factory) -> RealStack:
     with local_stack(model, n_engines=n, max_running_requests=MAX_RUNNING_REQUESTS,
                      max_total_tokens=MAX_TOTAL_TOKENS, log_dir=root / "logs") as stack:
         yield RealStack(stack, model, other)
-
-
-# ------------------------------------------------------------------ slime's own arguments
-def slime_args(argv: list[str], **overrides: Any) -> argparse.Namespace:
-    """Arguments as slime's own parser builds them (its rollout + SGLang/router groups; the
-    Megatron training groups are not needed on the rollout side), then ``overrides``."""
-    from slime.backends.sglang_utils.arguments import add_sglang_arguments
-    from slime.utils.arguments import get_slime_extra_args_provider, slime_validate_args
-
-    parser = argparse.ArgumentParser(allow_abbrev=False)
-    get_slime_extra_args_provider()(parser)
-    add_sglang_arguments(parser)
-    # the mode flags slime's parse_args reads in a pre-pass
-    parser.add_argument("--train-backend", default="megatron")
-    parser.add_argument("--debug-rollout-only", action="store_true")
-    parser.add_argument("--debug-train-only", action="store_true")
-    parser.add_argument("--load-debug-rollout-data", default=None)
-    args = parser.parse_args(argv)
-    for key, value in {**MEGATRON_DEFAULTS, **overrides}.items():
-        setattr(args, key, value)
-    slime_validate_args(args)  # slime's own derived defaults (eval path, over-sampling, custom config)
-    return args
-
-
-# Megatron-side arguments slime's validation reads (a rollout-only job never uses them otherwise).
-MEGATRON_DEFAULTS: dict[str, Any] = {}
-
-
-def run_async(coro):
-    return asyncio.run(coro)
-
-
-# ------------------------------------------------------------------ slime's RolloutManager, without Ray
-class SlimeRolloutManager:
-    """slime's own ``RolloutManager`` methods (unwrapped from the Ray actor class) on an instance
-    built like its ``__init__`` minus Ray and engine start-up: the engines are ``real_stack``'s.
-
-    ``generate`` does what ``RolloutManager.generate`` does up to the DP split (which needs Ray):
-    ``call_rollout_fn`` on ``--rollout-function-path`` with the data source of
-    ``--data-source-path``, slime's rollout logging, and the conversion to train data (which
-    checks the sample contract: loss-mask lengths, rewards, rollout log-probs)."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        from slime.ray.rollout import RolloutManager
-        from slime.utils.misc import load_function
-
-        from slime.utils.http_utils import init_http_client
-
-        init_http_client(args)  # slime's HTTP client to the router, as RolloutManager.__init__ makes it
-        raw = RolloutManager.__ray_metadata__.modified_class.__mro__[1]
-        assert raw.__name__ == "RolloutManager", raw
-        self.cls = raw
-        self.manager = m = object.__new__(raw)
-        m.pg, m.args, m.servers = None, args, {}
-        m.data_source = load_function(args.data_source_path)(args)
-        m.generate_rollout = load_function(args.rollout_function_path)
-        m.eval_generate_rollout = load_function(args.eval_function_path)
-        m.custom_reward_post_process_func = None
-        m.custom_convert_samples_to_train_data_func = None
-        m.rollout_id = -1
-        m._health_monitors = []
-
-    @property
-    def data_source(self) -> Any:
-        return self.manager.data_source
-
-    def generate(self, rollout_id: int) -> tuple[list[Any], dict, dict]:
-        """(flattened samples, rollout metrics, train data) of one rollout step."""
-        from slime.observability.rollout_metrics import log_rollout_data
-
-        m = self.manager
-        start = time.time()
-        m.rollout_id = rollout_id
-        samples, metrics = self.cls._get_rollout_data(m, rollout_id=rollout_id)
-        log_rollout_data(rollout_id, m.args, samples, metrics, time.time() - start)
-        train = self.cls._convert_samples_to_train_data(m, samples)
-        return samples, metrics or {}, train
-
-    def eval(self, rollout_id: int) -> None:
-        self.cls.eval(self.manager, rollout_id)
-
-    def save(self, rollout_id: int) -> None:
-        self.cls.save(self.manager, rollout_id)
-
-    def load(self, rollout_id: int | None = None) -> None:
-        self.cls.load(self.manager, rollout_id)
 
 
 def write_prompts(path: Path, n: int, seed: int = 0) -> Path:

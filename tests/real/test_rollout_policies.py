@@ -1,7 +1,7 @@
 """sync, april and copris inside real slime against real SGLang engines behind the real router:
-exactly ``rollout_batch_size`` complete groups in slime's sample contract, aborted partials
-buffered and resumed, and (greedy, unchanged weights) a resumed sample equal token for token to the
-uninterrupted generation."""
+exactly ``rollout_batch_size`` complete groups in slime's sample contract, partials aborted at
+target buffered and resumed, and (greedy, unchanged weights) an aborted and resumed sample equal
+token for token to the uninterrupted generation."""
 
 from __future__ import annotations
 
@@ -87,30 +87,65 @@ def test_policy_delivers_exact_batch_in_slime_contract(real_stack, manager_for, 
         assert resumed > 0 or len(m.data_source.buffer) > 0
 
 
-def test_abort_at_target_buffers_partials_and_greedy_resume_equals_uninterrupted(real_stack, manager_for):
-    """april with twice the groups in flight, greedy (top-k 1), weights unchanged: step 1 aborts
-    the surplus and buffers its partial samples; step 2 resumes them first; every resumed sample
-    equals the uninterrupted greedy generation of its prompt, token for token."""
-    max_len = 48
-    m = manager_for(settings={"april_policy": "april", "april_over_sampling_factor": 3.0}, batch=BATCH, n=N,
-                    max_len=max_len, extra_argv=["--rollout-top-k", "1"])
-    m.generate(0)
-    buffer = m.data_source.buffer
-    partial = buffer.num_partial_trajectories()
-    assert partial > 0, "the abort at target left no partial sample to buffer"
-    resumed = []
-    for rollout_id in (1, 2):
-        samples, _, _ = m.generate(rollout_id)
-        resumed += [s for s in samples if s.metadata["april_num_aborts"] > 0 and s.response_length > 0]
-    assert resumed, "no buffered partial was resumed into a trained sample"
-    tok = real_stack.tokenizer
+def test_aborted_greedy_samples_resume_to_the_uninterrupted_generation(real_stack, manager_for, tmp_path):
+    """Greedy (top-k 1), weights unchanged, every request aborted by the engines mid-way (an
+    ``abort_all`` sent to each engine while the step runs): the partials come back, are resumed
+    with prompt + partial response and the remaining budget, and every resumed sample equals the
+    uninterrupted greedy generation of its prompt, token for token.
+
+    The engines serve plain random weights here (EOS as likely as any token), so greedy responses
+    run to the budget and are mid-way when the abort lands. (With equal lengths nothing is mid-way
+    at an abort at target, which the other tests cover with sampled lengths.)"""
+    import threading
+    import time
+
+    from transformers import AutoTokenizer
+
+    from april_slime.localstack import build_tiny_qwen3
+
+    max_len = 64
+    plain = build_tiny_qwen3(tmp_path / "plain", tokenizer=AutoTokenizer.from_pretrained(real_stack.model_path),
+                             seed=2)
+    real_stack.push_weights(plain, real_stack.weight_version() + 1)
+
+    def abort_mid_way() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            loads = [http_json("GET", f"{u}/v1/loads")[1]["loads"][0] for u in real_stack.engine_urls]
+            if sum(l["num_running_reqs"] for l in loads) > 0:
+                break
+            time.sleep(0.05)
+        time.sleep(0.4)
+        for url in real_stack.engine_urls:
+            http_json("POST", f"{url}/abort_request", {"abort_all": True})
+
+    try:
+        m = manager_for(settings={"april_policy": "april", "april_over_sampling_factor": 2.0}, batch=BATCH, n=N,
+                        max_len=max_len, extra_argv=["--rollout-top-k", "1"])
+        resumed = []
+        for rollout_id in (0, 1):
+            aborter = threading.Thread(target=abort_mid_way)
+            aborter.start()
+            samples, _, _ = m.generate(rollout_id)
+            aborter.join()
+            resumed += [s for s in samples if s.metadata["april_num_aborts"] > 0]
+        rollout.shutdown()
+        real_stack.wait_idle()
+        uninterrupted = {}
+        for s in resumed:
+            prompt_ids = real_stack.tokenizer.encode(s.prompt, add_special_tokens=False)
+            status, reply = http_json("POST", f"{real_stack.engine_urls[0]}/generate", {
+                "input_ids": prompt_ids, "sampling_params": {"max_new_tokens": max_len, "temperature": 1.0,
+                                                             "top_k": 1, "no_stop_trim": True}})
+            assert status == 200, reply
+            uninterrupted[s.index] = (prompt_ids, reply["output_ids"])
+    finally:
+        rollout.shutdown()
+        real_stack.wait_idle()
+        real_stack.restore_weights()
+    assert resumed, "no aborted sample was resumed into a trained sample"
     for s in resumed:
-        prompt_ids = tok.encode(s.prompt, add_special_tokens=False)
-        status, reply = http_json("POST", f"{real_stack.engine_urls[0]}/generate", {
-            "input_ids": prompt_ids, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": max_len, "temperature": 1.0, "top_k": 1, "no_stop_trim": True,
-                                "skip_special_tokens": False}})
-        assert status == 200, reply
-        assert s.tokens[len(prompt_ids):] == reply["output_ids"], (
+        prompt_ids, output_ids = uninterrupted[s.index]
+        assert s.tokens[len(prompt_ids):] == output_ids, (
             f"resumed sample {s.index} ({s.metadata['april_num_calls']} calls) differs from the "
             "uninterrupted greedy generation")

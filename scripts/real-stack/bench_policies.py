@@ -1,0 +1,183 @@
+"""sync vs april vs copris in one run on real SGLang CPU engines behind sglang-router, inside real
+slime (its argument parser, data source and RolloutManager methods), on a long-tail workload.
+
+    python scripts/real-stack/bench_policies.py                       # defaults of docs/real-stack.md
+    python scripts/real-stack/bench_policies.py --steps 8 --out out/real-bench.json
+
+The workload: a tiny random Qwen3 whose weights end a response with probability ``--eos-rate`` per
+token (lengths spread geometrically), a budget ``--max-len`` several times the mean (a few reach it),
+``ignore_eos`` off. Steps of the three policies are interleaved round by round (the order rotates),
+so machine noise hits all three alike; the first round is a warm-up and is not counted.
+
+Reported per policy: step time (mean, and min..max of its ratio to sync within a round), steps/h,
+trained and generated tokens per second, and engine utilization from ``/v1/loads`` polled every
+0.1 s (the share of polls with a running request, and the mean number running).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from april_slime import rollout
+from april_slime.localstack import SlimeRolloutManager, build_tiny_qwen3, local_stack, real_stack_missing, slime_args
+
+POLICIES = ("sync", "april", "copris")
+
+
+class LoadMonitor:
+    """Polls every engine's /v1/loads in a thread; ``window()`` collects what one step saw."""
+
+    def __init__(self, urls: list[str], period_s: float = 0.1):
+        self.urls, self.period_s = urls, period_s
+        self.samples: list[tuple[float, int]] = []  # (time, running requests over all engines)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            running = 0
+            for url in self.urls:
+                try:
+                    with urllib.request.urlopen(f"{url}/v1/loads", timeout=5) as r:
+                        running += sum(l["num_running_reqs"] for l in json.loads(r.read())["loads"])
+                except OSError:
+                    pass
+            self.samples.append((time.monotonic(), running))
+            time.sleep(self.period_s)
+
+    def __enter__(self) -> "LoadMonitor":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def window(self, start: float, end: float) -> list[int]:
+        return [n for t, n in self.samples if start <= t <= end]
+
+
+def write_prompts(path: Path, n: int) -> Path:
+    rng = random.Random(0)
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(n):
+            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            f.write(json.dumps({"prompt": f"Question: what is {a} + {b}? Answer:", "label": str(a + b)}) + "\n")
+    return path
+
+
+async def zero_reward(args, sample, **kwargs) -> float:
+    return 0.0
+
+
+def job(ns, policy: str, router_url: str, model: Path, folder: Path, n_engines: int) -> SlimeRolloutManager:
+    folder.mkdir(parents=True, exist_ok=True)
+    settings = {"april_policy": policy}
+    if policy == "copris":
+        settings["april_concurrency"] = ns.batch * ns.n
+    (folder / "april.yaml").write_text(yaml.safe_dump(settings))
+    host, port = router_url.removeprefix("http://").rsplit(":", 1)
+    argv = ["--rollout-function-path", "april_slime.rollout.generate_rollout",
+            "--data-source-path", "april_slime.rollout.AprilDataSource",
+            "--custom-config-path", str(folder / "april.yaml"), "--hf-checkpoint", str(model),
+            "--prompt-data", str(write_prompts(folder / "prompts.jsonl", 4000)),
+            "--input-key", "prompt", "--label-key", "label",
+            "--rollout-batch-size", str(ns.batch), "--n-samples-per-prompt", str(ns.n),
+            "--over-sampling-batch-size", str(2 * ns.batch),
+            "--rollout-max-response-len", str(ns.max_len), "--rollout-temperature", "1.0",
+            "--num-rollout", "100000", "--custom-rm-path", f"{__name__}.zero_reward",
+            "--sglang-router-ip", host, "--sglang-router-port", port, "--save", str(folder / "ckpt"),
+            "--rollout-num-gpus", str(n_engines), "--rollout-num-gpus-per-engine", "1"]
+    return SlimeRolloutManager(slime_args(argv))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6, help="counted steps per policy (after one warm-up)")
+    parser.add_argument("--batch", type=int, default=8, help="rollout_batch_size (groups)")
+    parser.add_argument("--n", type=int, default=4, help="n_samples_per_prompt")
+    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--eos-rate", type=float, default=1 / 40)
+    parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here too")
+    ns = parser.parse_args()
+    missing = real_stack_missing()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = build_tiny_qwen3(root / "model", eos_rate=ns.eos_rate)
+        with local_stack(model, n_engines=ns.engines, max_running_requests=ns.max_running_requests,
+                         log_dir=root / "logs") as stack:
+            managers = {p: job(ns, p, stack.router_url, model, root / p, ns.engines) for p in POLICIES}
+            rows: dict[str, list[dict]] = {p: [] for p in POLICIES}
+            with LoadMonitor(stack.engine_urls) as monitor:
+                for rnd in range(ns.steps + 1):
+                    order = POLICIES[rnd % 3:] + POLICIES[:rnd % 3]
+                    for policy in order:
+                        start = time.monotonic()
+                        samples, metrics, _ = managers[policy].generate(rnd)
+                        end = time.monotonic()
+                        window = monitor.window(start, end)
+                        rows[policy].append({
+                            "round": rnd, "step_s": end - start,
+                            "trained_tokens": sum(s.response_length for s in samples),
+                            "generated_tokens": metrics.get("april/generated_tokens", 0.0),
+                            "truncated": sum(s.status.name == "TRUNCATED" for s in samples),
+                            "busy": sum(n > 0 for n in window) / max(1, len(window)),
+                            "mean_running": statistics.fmean(window) if window else 0.0,
+                        })
+                        print(f"round {rnd} {policy:6s} {end - start:6.2f} s", file=sys.stderr, flush=True)
+            rollout.shutdown()
+    counted = {p: [r for r in rows[p] if r["round"] > 0] for p in POLICIES}
+    sync_by_round = {r["round"]: r["step_s"] for r in counted["sync"]}
+    result = {"machine": f"{platform.processor() or platform.machine()}, {os_cpus()} CPUs, {platform.platform()}",
+              "settings": vars(ns) | {"out": str(ns.out) if ns.out else None}, "policies": {}}
+    print(f"\n{'policy':8s} {'step s':>8s} {'x sync':>16s} {'steps/h':>8s} {'trained tok/s':>14s} "
+          f"{'generated tok/s':>16s} {'busy':>6s} {'running':>8s} {'truncated':>9s}")
+    for p in POLICIES:
+        r = counted[p]
+        step = statistics.fmean(x["step_s"] for x in r)
+        ratios = [sync_by_round[x["round"]] / x["step_s"] for x in r]
+        total_s = sum(x["step_s"] for x in r)
+        entry = {"step_s_mean": step, "speedup_vs_sync_mean": statistics.fmean(ratios),
+                 "speedup_vs_sync_min": min(ratios), "speedup_vs_sync_max": max(ratios),
+                 "steps_per_hour": 3600 / step,
+                 "trained_tokens_per_s": sum(x["trained_tokens"] for x in r) / total_s,
+                 "generated_tokens_per_s": sum(x["generated_tokens"] for x in r) / total_s,
+                 "engine_busy_fraction": statistics.fmean(x["busy"] for x in r),
+                 "mean_running_requests": statistics.fmean(x["mean_running"] for x in r),
+                 "truncated_per_step": statistics.fmean(x["truncated"] for x in r), "steps": r}
+        result["policies"][p] = entry
+        print(f"{p:8s} {step:8.2f} {entry['speedup_vs_sync_mean']:6.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+              f" {entry['steps_per_hour']:8.0f} {entry['trained_tokens_per_s']:14.1f}"
+              f" {entry['generated_tokens_per_s']:16.1f} {entry['engine_busy_fraction']:6.2f}"
+              f" {entry['mean_running_requests']:8.1f} {entry['truncated_per_step']:9.1f}")
+    if ns.out:
+        ns.out.parent.mkdir(parents=True, exist_ok=True)
+        ns.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def os_cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Record what a real SGLang 0.5.23 CPU engine answers to the emulator's protocol scenarios.
+
+    python scripts/real-stack/record_golden.py                 # starts its own engine (tiny model)
+    python scripts/real-stack/record_golden.py --engine-url URL --model DIR --other-model DIR2 \
+        --max-running-requests R
+
+writes tests/data/sglang-0.5.23-golden.json, which tests/test_emulator.py compares the emulator's
+replies with (field by field, ``reply_shape``) and the real tier re-checks against a live engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+from april_slime.emulator.testing import golden_replies
+from april_slime.localstack import LocalEngine, build_tiny_qwen3, real_stack_missing
+
+OUT = Path(__file__).resolve().parents[2] / "tests" / "data" / "sglang-0.5.23-golden.json"
+
+
+def record(engine_url: str, other_model: str, max_running_requests: int) -> dict:
+    with urllib.request.urlopen(f"{engine_url}/model_info") as r:
+        version = int(json.loads(r.read())["weight_version"])
+    replies = asyncio.run(golden_replies(engine_url, max_running_requests=max_running_requests,
+                                         new_weights_path=other_model, weight_version=version))
+    import sglang
+
+    return {"sglang_version": sglang.__version__, "max_running_requests": max_running_requests,
+            "scenarios": replies}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine-url")
+    parser.add_argument("--other-model", help="weights /update_weights_from_disk loads (same shape)")
+    parser.add_argument("--max-running-requests", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=OUT)
+    ns = parser.parse_args()
+    missing = real_stack_missing()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
+    if ns.engine_url:
+        result = record(ns.engine_url, ns.other_model, ns.max_running_requests)
+    else:
+        from transformers import AutoTokenizer
+
+        with tempfile.TemporaryDirectory() as tmp:
+            model = build_tiny_qwen3(Path(tmp) / "a", eos_rate=1 / 24)
+            other = build_tiny_qwen3(Path(tmp) / "b", tokenizer=AutoTokenizer.from_pretrained(model), seed=1,
+                                     eos_rate=1 / 24)
+            with LocalEngine(model, max_running_requests=ns.max_running_requests) as engine:
+                result = record(engine.url, str(other), ns.max_running_requests)
+    ns.out.parent.mkdir(parents=True, exist_ok=True)
+    ns.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    print(f"wrote {ns.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
