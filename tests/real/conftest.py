@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -29,6 +30,12 @@ from april_slime.localstack import (  # noqa: F401  (SlimeRolloutManager: for th
 )
 
 HERE = Path(__file__).resolve().parent
+
+# Every conftest.py of the suite is imported under the module name "conftest", the last one
+# imported taking sys.modules["conftest"]; the tier's tests and slime's --custom-rm-path import
+# from this one under a name of its own.
+MODULE = "real_tier"
+sys.modules[MODULE] = sys.modules[__name__]
 
 # The tiny model's shape: long-tailed lengths at temperature 1 (EOS with probability ~1/24 per
 # token), so budgets of a few dozen tokens mix finished and truncated samples.
@@ -174,7 +181,7 @@ def plugin_args(stack: RealStack, tmp_path: Path, *, settings: dict[str, Any] | 
                 batch: int = 4, n: int = 2, max_len: int = 32, prompts: int = 64,
                 reward: str = "length_parity_reward", extra_argv: list[str] = (), **overrides: Any):
     """slime arguments of a job using the plugin against ``stack``'s router: real slime parser,
-    ``--custom-config-path`` YAML for the ``april_*`` settings, rewards from ``conftest``."""
+    ``--custom-config-path`` YAML for the ``april_*`` settings, rewards from this module (``real_tier``)."""
     import yaml
 
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -190,7 +197,7 @@ def plugin_args(stack: RealStack, tmp_path: Path, *, settings: dict[str, Any] | 
         "--input-key", "prompt", "--label-key", "label",
         "--rollout-batch-size", str(batch), "--n-samples-per-prompt", str(n),
         "--rollout-max-response-len", str(max_len), "--rollout-temperature", "1.0",
-        "--num-rollout", "1000", "--custom-rm-path", f"conftest.{reward}",
+        "--num-rollout", "1000", "--custom-rm-path", f"{MODULE}.{reward}",
         "--sglang-router-ip", host, "--sglang-router-port", port,
         "--save", str(tmp_path / "ckpt"),
         # one GPU per engine in slime's accounting: how it counts the engines behind the router

@@ -11,7 +11,7 @@ import os
 from april_slime.bench import EngineSpec, Workload, run_benchmark
 from april_slime.bench.calibrate import compare, main as calibrate_main
 
-from conftest import MAX_TOTAL_TOKENS
+from real_tier import MAX_TOTAL_TOKENS
 
 
 def test_calibrate_measures_the_real_engine(real_stack, tmp_path, capsys):

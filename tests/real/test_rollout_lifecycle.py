@@ -10,7 +10,7 @@ import time
 import pytest
 
 from april_slime import rollout
-from conftest import SlimeRolloutManager, plugin_args
+from real_tier import SlimeRolloutManager, plugin_args
 from test_rollout_policies import check_slime_contract
 
 BATCH, N, MAX_LEN = 4, 2, 32
@@ -106,7 +106,7 @@ def test_partial_buffer_survives_slime_checkpoint_save_and_load(real_stack, tmp_
 def test_evaluation_goes_through_slimes_eval_path(real_stack, tmp_path):
     from slime.rollout.base_types import call_rollout_fn
 
-    from conftest import write_prompts
+    from real_tier import write_prompts
 
     eval_data = write_prompts(tmp_path / "eval.jsonl", 3, seed=7)
     args = plugin_args(real_stack, tmp_path, settings={"april_policy": "copris"}, batch=BATCH, n=N,

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from april_slime import rollout
-from conftest import SlimeRolloutManager, http_json, plugin_args
+from real_tier import SlimeRolloutManager, http_json, plugin_args
 
 BATCH, N, MAX_LEN = 4, 2, 32
 

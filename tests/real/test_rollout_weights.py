@@ -14,7 +14,7 @@ import pytest
 
 from april_slime import rollout
 from april_slime.engine import EngineClient
-from conftest import SlimeRolloutManager, http_json, plugin_args
+from real_tier import SlimeRolloutManager, http_json, plugin_args
 
 TOLERANCE = 1e-4  # float32 CPU engine vs float32 transformers; measured differences are ~3e-6
 
