@@ -275,9 +275,11 @@ def recompute_log_probs(args, model, rollout_data, store_prefix="", perturb: flo
     rollout_data[f"{store_prefix}log_probs"] = [by_index[i] for i in range(len(by_index))]
 
 
-def train_step(args, model, rollout_data, step: int = 0):
+def train_step(args, model, rollout_data, step: int = 0, dp_group=None):
     """slime's train_one_step without the optimizer: forward_backward over the step's micro-batches
-    with slime's get_batch and loss_function. Returns (reduced metrics, {param name: grad})."""
+    with slime's get_batch and loss_function. Returns (reduced metrics, {param name: grad}); the
+    gradients are this rank's, before any data-parallel reduction. With ``dp_group`` the metrics
+    are reduced over it by slime's own ``reduce_train_step_metrics``, as train_one_step does."""
     slime_loss.compute_advantages_and_returns(args, rollout_data)
     iterator = slime_data.get_data_iterator(rollout_data)
     num_microbatches = rollout_data["num_microbatches"][step]
@@ -294,9 +296,16 @@ def train_step(args, model, rollout_data, step: int = 0):
         losses = schedules.forward_backward_no_pipelining(
             forward_step_func=forward_step, data_iterator=iterator, model=[model],
             num_microbatches=num_microbatches, seq_length=1, micro_batch_size=1, forward_only=False)
-    keys = losses[0]["keys"]
-    values = sum(item["values"] for item in losses)
-    divisor = values[0] if args.calculate_per_token_loss else step_global_batch_size
-    metrics = {k: float(v) / float(divisor) for k, v in zip(keys, values[1:])}
+    if dp_group is not None:
+        from slime.observability import train_metric_utils
+
+        metrics = train_metric_utils.reduce_train_step_metrics(
+            losses, calculate_per_token_loss=args.calculate_per_token_loss,
+            step_global_batch_size=step_global_batch_size, cp_size=1, dp_with_cp_group=dp_group)
+    else:
+        keys = losses[0]["keys"]
+        values = sum(item["values"] for item in losses)
+        divisor = values[0] if args.calculate_per_token_loss else step_global_batch_size
+        metrics = {k: float(v) / float(divisor) for k, v in zip(keys, values[1:])}
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return metrics, grads
