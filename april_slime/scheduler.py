@@ -840,14 +840,19 @@ class _Step:
             self.counters.drain_cancelled_calls += 1
             self.health.exclude(call.engine_url, f"no reply to the abort of {call.rid} within the "
                                                  f"drain deadline ({self.s.drain_timeout_s:g} s)")
+        self._cancel_rewards()
+        if self.timeline:
+            self._record(work_remaining=False)
+
+    def _cancel_rewards(self) -> None:
+        """Groups still being rewarded go back unjudged, their partial rewards cleared: the next
+        step rewards them again from scratch."""
         for group, task in list(self.rewarding.values()):
             task.cancel()
             for t in group.trajectories:
                 t.reward = None
             self.unjudged.append(group)
         self.rewarding.clear()
-        if self.timeline:
-            self._record(work_remaining=False)
 
     def _abort_later(self, url: str, rid: str | None) -> None:
         """Send a best-effort abort in the background (never awaited by the drain)."""
@@ -909,12 +914,7 @@ class _Step:
             # the engines would otherwise keep generating replies nobody reads
             _detach(self.loop, self.client.abort(url, abort_all=True, timeout_s=self.s.abort_timeout_s,
                                                  max_retries=0))
-        for group, task in list(self.rewarding.values()):
-            task.cancel()
-            for t in group.trajectories:
-                t.reward = None
-            self.unjudged.append(group)
-        self.rewarding.clear()
+        self._cancel_rewards()
         for group in [*self.accepted, *self.surplus, *self.unjudged, *self.resume, *self.fresh,
                       *self.active.values()]:
             if group.uid not in self.s.buffer and group.uid not in self.dropped:
