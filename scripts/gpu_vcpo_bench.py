@@ -91,6 +91,15 @@ def make_batch(cfg: dict, device, seed: int = 0):
             rewards.to(device))
 
 
+def plain_truncated_is_loss(lps, rollout, masks, rewards) -> torch.Tensor:
+    """The baseline the VCPO loss side is timed against: sequence-level IS weight truncated at 2,
+    group-mean baseline, no per-sample gradient norms."""
+    log_ratio = torch.stack([((lp.detach() - r) * m).sum() for lp, r, m in zip(lps, rollout, masks)])
+    w = log_ratio.exp().clamp(max=2.0)
+    adv = rewards - rewards.mean()
+    return sum(-(w[i] * adv[i]) * (lps[i] * masks[i]).sum() for i in range(len(lps)))
+
+
 def per_sample_log_probs(logits, tokens, resp, cu):
     lp = logits[0, :-1].float().log_softmax(-1).gather(-1, tokens[0, 1:, None]).squeeze(-1)
     lp = F.pad(lp, (1, 0))
@@ -99,7 +108,6 @@ def per_sample_log_probs(logits, tokens, resp, cu):
 
 def run_variant(name, model, batch, steps, warmup, device):
     tokens, seg, mask, resp, cu, rewards = batch
-    n = len(cu) - 1
     tracker = None
     if name != "plain":
         tracker = PerSampleGradNorms(model, weighted=(name == "opob"))
@@ -122,11 +130,7 @@ def run_variant(name, model, batch, steps, warmup, device):
             with torch.no_grad():
                 rollout = [lp.detach() + 0.05 * torch.randn_like(lp) for lp in lps]
             if name == "plain":
-                log_ratio = torch.stack([((lp.detach() - r) * m).sum() for lp, r, m in zip(lps, rollout, masks)])
-                w = log_ratio.exp().clamp(max=2.0)
-                adv = rewards - rewards.mean()
-                loss = sum(-(w[i] * adv[i]) * (lps[i] * masks[i]).sum() for i in range(n))
-                loss.backward()
+                plain_truncated_is_loss(lps, rollout, masks, rewards).backward()
             else:
                 out = opob_policy_loss(lps, rollout, masks, rewards, seg, grad_norms=tracker,
                                        correction="truncate", high=2.0)

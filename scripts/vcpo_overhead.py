@@ -34,7 +34,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_vcpo_bench import Decoder, make_batch, per_sample_log_probs  # noqa: E402
+from gpu_vcpo_bench import (  # noqa: E402
+    Decoder, make_batch, per_sample_log_probs, plain_truncated_is_loss,
+)
 
 from april_slime.vcpo import PerSampleGradNorms, finish_opob_step, opob_policy_loss  # noqa: E402
 
@@ -52,12 +54,7 @@ def one_step(variant, model, batch, tracker):
         g = torch.Generator().manual_seed(0)
         rollout = [lp.detach() + 0.05 * torch.randn(lp.shape, generator=g) for lp in lps]
     if variant == "plain":
-        n = len(lps)
-        log_ratio = torch.stack([((lp.detach() - r) * m).sum() for lp, r, m in zip(lps, rollout, masks)])
-        w = log_ratio.exp().clamp(max=2.0)
-        adv = rewards - rewards.mean()
-        loss = sum(-(w[i] * adv[i]) * (lps[i] * masks[i]).sum() for i in range(n))
-        loss.backward()
+        plain_truncated_is_loss(lps, rollout, masks, rewards).backward()
     else:
         out = opob_policy_loss(lps, rollout, masks, rewards, seg, grad_norms=tracker, correction="truncate",
                                high=2.0)
