@@ -15,7 +15,8 @@
 #
 # slime comes from $SLIME_DIR (a checkout) or else ../shared/third_party/slime-*.tar.gz (next to
 # the repository, or next to its parent folder for a worktree). Without
-# either, the environment is built without slime and the real tier says so and skips.
+# either, the environment is built without slime and the real tier says so and skips; in CI
+# (CI=true or APRIL_REQUIRE_REAL=1) that is an error instead.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -100,6 +101,10 @@ if [[ -n "$slime_src" ]]; then
     flock -u 9
     "${vpip[@]}" --no-deps "$patched"
     log "slime from $slime_src (patches applied)"
+elif [[ "${APRIL_REQUIRE_REAL:-}" == 1 || "${CI:-}" =~ ^([Tt][Rr][Uu][Ee]|1|yes)$ ]]; then
+    # CI must run the real tier: stop here rather than let it skip.
+    log "no slime, and CI requires the real tier: set SLIME_DIR to a checkout of THUDM/slime@624b824a8 or put its tarball in ../shared/third_party/"
+    exit 1
 else
     log "no slime: set SLIME_DIR to a checkout of THUDM/slime@624b824a8; the real tier will skip"
 fi

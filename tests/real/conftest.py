@@ -1,8 +1,12 @@
 """The real tier: the plugin inside real slime against real SGLang CPU engines behind the real
 sglang-router (``pytest -m real``; ``bash scripts/real-stack/setup.sh`` builds the environment).
 
-Where SGLang, the router, the CPU workarounds or slime cannot be had, nothing here is collected and
-the run ends with one line saying why.
+Where SGLang, the router, megatron-core, the CPU workarounds or slime cannot be had, nothing here is
+collected but ``test_the_real_tier_can_run``, which skips with one line saying why. In CI
+(``CI=true``, or ``APRIL_REQUIRE_REAL=1``, which ``.ci/run`` sets) the tier must run: that test
+fails with the same line instead, and any other skip under ``tests/real`` (a module that cannot
+import what it needs, a test that skips itself) is turned into a failure that names its reason. So
+the tier cannot drop out of a green CI run unnoticed.
 
 ``real_stack`` (session scope) is the one set of engines every real-tier test shares, other people's
 included: a tiny Qwen3 built here, ``APRIL_REAL_ENGINES`` engines (default 2) and the router. It is
@@ -48,26 +52,69 @@ def why_skipped() -> str | None:
     missing = real_stack_missing()
     if missing:
         return missing
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        return "megatron-core is not installed; run `bash scripts/real-stack/setup.sh` and use its .venv"
     if importlib.util.find_spec("slime") is None:
         return ("slime is not installed: put THUDM/slime@624b824a8 in SLIME_DIR (or its tarball in "
                 "../shared/third_party/) and rerun `bash scripts/real-stack/setup.sh`")
     return None
 
 
+def real_tier_required() -> bool:
+    """True in CI, where a real tier that cannot run is a failure rather than a skip."""
+    return (os.environ.get("APRIL_REQUIRE_REAL", "") == "1"
+            or os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"))
+
+
 WHY_SKIPPED = why_skipped()
+REQUIRED = real_tier_required()
+AVAILABILITY_TEST = "test_real_tier_available.py"
 if WHY_SKIPPED:
-    collect_ignore_glob = ["test_*.py"]
+    # Only the availability test is collected: it skips (or, in CI, fails) with the reason.
+    collect_ignore_glob = [str(p.relative_to(HERE)) for p in HERE.rglob("test_*.py") if p.name != AVAILABILITY_TEST]
+
+
+def _under_this_tier(path) -> bool:
+    path = Path(str(path))
+    return path == HERE or HERE in path.parents
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if HERE in Path(str(item.fspath)).parents:
+        if _under_this_tier(item.fspath):
             item.add_marker(pytest.mark.real)
+
+
+def _skip_reason(longrepr) -> str:
+    # a skip's longrepr is (path, line, "Skipped: reason")
+    return str(longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """In CI a module of this tier that skips at import (``pytest.skip(allow_module_level=True)``)
+    fails instead, with its reason."""
+    outcome = yield
+    report = outcome.get_result()
+    if REQUIRED and report.skipped and _under_this_tier(collector.path):
+        report.outcome = "failed"
+        report.longrepr = f"the real tier must run in CI, but {collector.path.name} skipped: {_skip_reason(report.longrepr)}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In CI a test of this tier that skips fails instead, with its reason (xfail is left alone)."""
+    outcome = yield
+    report = outcome.get_result()
+    if REQUIRED and report.skipped and not hasattr(report, "wasxfail") and _under_this_tier(item.path):
+        report.outcome = "failed"
+        report.longrepr = f"the real tier must run in CI, but this test skipped: {_skip_reason(report.longrepr)}"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if WHY_SKIPPED:
-        terminalreporter.write_line(f"tests/real skipped: {WHY_SKIPPED}")
+        verdict = "FAILED (CI requires it)" if REQUIRED else "skipped"
+        terminalreporter.write_line(f"tests/real {verdict}: {WHY_SKIPPED}")
 
 
 # ------------------------------------------------------------------ the shared stack
