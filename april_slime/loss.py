@@ -373,16 +373,22 @@ def policy_loss(
         # keeps every parameter in the graph so the backward collectives still run on this rank
         loss = loss + 0 * logits.sum()
 
+    # slime's convention: ppo_kl is measured from the ratio's anchor, and the train/rollout gap
+    # compares the rollout with the anchor, or with the current policy where the rollout *is* the
+    # anchor (copris here, --use-rollout-logprobs in slime).
+    local_rollout = _flat(rollout_log_probs).to(local_log_probs) if rollout_log_probs is not None else None
+    anchored_on_rollout = config.is_mode == "copris" and local_rollout is not None
+    local_anchor = local_rollout if anchored_on_rollout else local_old
     metrics.update({
         "loss": loss,
         "pg_loss": pg_loss,
         "entropy_loss": entropy_loss,
         "pg_clipfrac": sum_of_sample_mean(to_local(objective.clipped)),
-        "ppo_kl": sum_of_sample_mean(local_old - local_log_probs),
+        "ppo_kl": sum_of_sample_mean(local_anchor - local_log_probs),
     })
-    if rollout_log_probs is not None:
-        local_rollout = _flat(rollout_log_probs).to(local_log_probs)
-        metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean((local_old - local_rollout).abs())
+    if local_rollout is not None:
+        compared = local_log_probs.detach() if anchored_on_rollout else local_old
+        metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean((compared - local_rollout).abs())
 
     behaviour_ratio = offpolicy.safe_exp(objective.behaviour_log_ratio)
     per_token = {

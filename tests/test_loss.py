@@ -222,7 +222,16 @@ def test_copris_without_recomputed_log_probs_uses_the_current_policy():
     batch["log_probs"] = None  # --use-rollout-logprobs: slime skips the recompute
     args = make_args(april_is_mode="copris", april_is_correction="none", use_rollout_logprobs=True)
     loss, metrics = april_loss.policy_loss(args, batch, logits, reducer_for(batch))
-    assert torch.isfinite(loss) and metrics["ppo_kl"].item() == 0.0
+    assert torch.isfinite(loss)
+    # as slime reports it with --use-rollout-logprobs: from the anchor, the rollout log-probs
+    current = direct_log_probs(logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"],
+                               args.rollout_temperature)
+    reduce = reducer_for(batch)
+    rollout = torch.cat(batch["rollout_log_probs"])
+    expected_kl = reduce(rollout - torch.cat(current))
+    assert metrics["ppo_kl"].item() == pytest.approx(expected_kl.item(), rel=1e-5) and expected_kl.item() != 0.0
+    expected_gap = reduce((torch.cat(current) - rollout).abs())
+    assert metrics["train_rollout_logprob_abs_diff"].item() == pytest.approx(expected_gap.item(), rel=1e-5)
 
 
 def test_configuration_errors_are_clear():

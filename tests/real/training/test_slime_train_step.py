@@ -1,0 +1,198 @@
+"""Training tier: slime's real ``train_one_step`` (slime/backends/megatron_utils/model.py) drives
+the plugin, with Megatron's DistributedDataParallel, Megatron's optimizer and scheduler (CPU,
+gloo, one process).
+
+What runs is slime's and Megatron's own code: train_one_step (gradient buffers zeroed, the
+``--custom-megatron-before-train-step-hook-path`` hook, get_batch with the keys train_one_step
+itself forwards, loss_function, Megatron's forward_backward_no_pipelining and
+finalize_model_grads, optimizer.step, scheduler.step), get_megatron_optimizer and
+OptimizerParamScheduler. Stand-ins, each for one piece that cannot run here:
+
+* Megatron-LM's ``megatron.training`` package is not part of megatron-core and is not installed:
+  slime's model.py imports four names from it, of which train_one_step calls only ``get_args``;
+  it answers the test's args (slime_cpu.slime_model_module).
+* Megatron's DDP buffers, optimizer and gradient-norm helpers create tensors on ``"cuda"``; inside
+  those modules only they are created on the CPU (megatron_cpu.ddp_and_optimizer_on_cpu).
+* Megatron's DistributedOptimizer refuses parameters that are not ``torch.cuda.*Tensor``: the
+  optimizer is the one get_megatron_optimizer builds without ``--use-distributed-optimizer``
+  (FP32Optimizer in a ChainedOptimizer). The hook only uses the optimizer's ``step`` and
+  ``param_groups``, which both expose.
+* The model is slime_cpu's token-wise model behind GPTModel's keyword interface.
+"""
+
+import copy
+import math
+
+import pytest
+
+pytestmark = pytest.mark.real
+
+try:
+    import megatron.core  # noqa: F401
+    import slime.backends.megatron_utils.loss  # noqa: F401
+except ImportError as exc:
+    pytest.skip(f"training tier needs megatron-core and slime (scripts/real-stack/setup.sh): {exc}",
+                allow_module_level=True)
+
+import torch
+
+import megatron_cpu
+import reference_loss
+import slime_cpu as sc
+from april_slime import vcpo
+
+HOOK = "april_slime.vcpo.before_train_step"
+# copris with --use-rollout-logprobs: no log-prob recompute is needed before the step
+COPRIS = dict(loss_type="custom_loss", custom_loss_function_path="april_slime.loss.policy_loss",
+              april_is_mode="copris", april_is_level="token", april_is_correction="truncate", april_is_low=0.0,
+              april_is_high=2.0, april_loss_level="token", use_rollout_logprobs=True)
+
+
+@pytest.fixture(scope="module")
+def world():
+    with sc.gloo_world(), megatron_cpu.ddp_and_optimizer_on_cpu():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def fresh_vcpo_runtime():
+    vcpo.reset_runtime()
+    yield
+    vcpo.reset_runtime()
+
+
+def one_step(args, optimizer="sgd", lr=0.1, seed=0, drift=0.25):
+    """A fresh model and its stale samples through slime's data path, then one train_one_step.
+    Returns (samples, the model before the step, {name: parameter change}, metrics, optimizer)."""
+    model = sc.GPTLikeLM(seed=seed)
+    before = copy.deepcopy(model)
+    samples = sc.make_stale_samples(model, seed=seed, drift=drift)
+    ddp, megatron_optimizer, scheduler = sc.megatron_trainer(model, optimizer, lr)
+    data = sc.rollout_to_trainer(args, samples)
+    metrics, _ = sc.train_one_step(args, ddp, megatron_optimizer, scheduler, data)
+    old = dict(before.named_parameters())
+    delta = {n: (p.detach() - old[n].detach()).double() for n, p in model.named_parameters()}
+    return samples, before, delta, metrics, megatron_optimizer
+
+
+def assert_update_close(got, expected, model, name, rtol=1e-5):
+    """An update read as the difference of two float32 parameters is exact up to one rounding of
+    each: an absolute error of about eps * |parameter| (2 eps allowed), on top of the relative
+    error of the float32 step itself."""
+    atol = 2 * torch.finfo(torch.float32).eps * float(dict(model.named_parameters())[name].abs().max())
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=name)
+
+
+def sequence_log_probs(model, sample):
+    """sum_t m_t log pi(y_t) of the sample's response, float64, with the graph to the parameters."""
+    tokens = torch.tensor(sample.tokens)
+    prompt = len(sample.tokens) - sample.response_length
+    lp = torch.log_softmax(model(tokens)[prompt - 1:-1], -1).gather(-1, tokens[prompt:, None])[:, 0]
+    return (lp * torch.tensor(sample.loss_mask, dtype=lp.dtype)).sum()
+
+
+def rollout_sum(sample):
+    """sum_t m_t log mu(y_t), with the rollout log-probs rounded to float32 as slime's trainer holds them."""
+    rollout = torch.tensor(sample.rollout_log_probs, dtype=torch.float32).double()
+    return (rollout * torch.tensor(sample.loss_mask, dtype=torch.float64)).sum()
+
+
+def test_train_one_step_hands_each_samples_metadata_to_the_loss(world):
+    """Per-sample train_metadata reaches the custom loss through train_one_step's own batch keys
+    (the train_one_step hunk of patches/slime-forward-train-metadata.patch), with its sample."""
+    reference_loss.RECORDED.clear()
+    args = sc.make_args(**dict(COPRIS, custom_loss_function_path="reference_loss.recording_policy_loss"))
+    samples, *_, metrics, _ = one_step(args)
+    seen = []
+    for microbatch in reference_loss.RECORDED:
+        assert microbatch["metadata"] is not None, "train_one_step did not forward the metadata"
+        for meta, tokens in zip(microbatch["metadata"], microbatch["tokens"], strict=True):
+            assert tokens == samples[meta["sample"]].tokens
+            assert meta == samples[meta["sample"]].train_metadata
+            seen.append(meta["sample"])
+    assert sorted(seen) == list(range(len(samples)))
+    # and the plugin's staleness metrics came out of slime's metric reduction
+    for bucket in ("stale0", "stale1", "stale2", "stale3+"):
+        assert metrics[f"april/{bucket}/tokens"] > 0, bucket
+
+
+def test_slimes_rollout_logging_skips_the_metadata(world):
+    """slime's trainer logs every rollout field before training (log_rollout_data); the
+    per-sample metadata dicts must be left out of its sums, not break them (train_metric_utils hunk)."""
+    from slime.observability import train_metric_utils
+
+    args = sc.make_args(**COPRIS)
+    data = sc.rollout_to_trainer(args, sc.make_stale_samples(sc.TokenwiseLM(seed=0)))
+    assert all(m["sample"] == int(i) for m, i in zip(data["metadata"], data["sample_indices"]))
+    train_metric_utils.log_rollout_data(0, args, data)
+
+
+def test_ess_lr_scale_reaches_megatrons_parameter_update(world):
+    """The same step with and without VCPO's ESS learning-rate scaling. With Adam's first step the
+    update is -lr * g / (|g| + eps) elementwise: it scales with the lr and not with the gradient,
+    so only a scaled lr (not a scaled loss) moves the parameters by the factor."""
+    plain = sc.make_args(**COPRIS)
+    scaled = sc.make_args(**COPRIS, custom_megatron_before_train_step_hook_path=HOOK, april_vcpo_lr_scaling=True,
+                          april_vcpo_rho_on=1.0)
+    # rollout log-probs far enough from the current policy for an ESS well below 1
+    samples, before, delta_plain, _, _ = one_step(plain, optimizer="adam", lr=1e-2, drift=0.8)
+    _, _, delta_scaled, _, optimizer = one_step(scaled, optimizer="adam", lr=1e-2, drift=0.8)
+    rt = vcpo.runtime()
+    assert rt is not None and optimizer.step._vcpo_scaler is rt.lr_scaler  # the hook wrapped Megatron's optimizer
+
+    # the ESS of the step's unclipped sequence weights pi_theta / pi_rollout, float64, from the samples
+    model = before.double()
+    with torch.no_grad():
+        w = torch.stack([(sequence_log_probs(model, s) - rollout_sum(s)).exp() for s in samples])
+    ess_ratio = float(w.sum() ** 2 / (len(w) * w.square().sum()))
+    factor = math.sqrt(ess_ratio / 1.0)  # rho_on = 1, inside [scale_min, scale_max] = [0, 1]
+    assert factor < 0.95
+    assert rt.lr_scaler.last_ess_ratio == pytest.approx(ess_ratio, rel=1e-5)
+    assert rt.lr_scaler.last_scale == pytest.approx(factor, rel=1e-5)
+    for name, d in delta_plain.items():
+        assert d.abs().max() > 1e-3, name
+        assert_update_close(delta_scaled[name], factor * d, before, name)
+    # the scaled lr is put back: the schedule's value is what the next step starts from
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([1e-2] * len(optimizer.param_groups))
+
+
+def test_optimal_baseline_runs_in_slimes_train_step(world):
+    """VCPO's off-policy optimal baseline through slime: the advantages from
+    vcpo.opob_advantages (slime's custom advantage slot), the loss's opob term inside
+    loss_function, the baseline applied in Megatron's finalize_model_grads, then Megatron's SGD
+    step. The update must be -lr times the gradient of eq. 9 with eq. 7's baseline, computed here
+    in float64 from per-sample backward passes."""
+    low, high, lr = 0.0, 1.15, 0.1
+    args = sc.make_args(**dict(COPRIS, april_is_level="sequence", april_is_low=low, april_is_high=high),
+                        custom_megatron_before_train_step_hook_path=HOOK, april_vcpo_baseline=True,
+                        custom_advantage_function_path="april_slime.vcpo.opob_advantages",
+                        rewards_normalization=False)
+    samples, before, delta, metrics, _ = one_step(args, optimizer="sgd", lr=lr)
+
+    model = before.double()
+    params = dict(model.named_parameters())
+    grads, sq_norms, weights = [], [], []
+    for s in samples:
+        seq = sequence_log_probs(model, s)
+        g = torch.autograd.grad(seq, list(params.values()))
+        grads.append(dict(zip(params, g)))
+        sq_norms.append(sum(x.square().sum() for x in g))
+        weights.append((seq.detach() - rollout_sum(s)).exp().clamp(low, high))
+    rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)
+    w, sq = torch.stack(weights), torch.stack(sq_norms)
+    b = float((w.square() * rewards * sq).sum() / (w.square() * sq).sum())
+    n = args.global_batch_size
+
+    def update(baseline):
+        # -lr * grad of (1/N) sum_i w_i (R_i - b) (-log pi(y_i|x_i))
+        return {name: lr / n * sum(w[i] * (rewards[i] - baseline) * grads[i][name] for i in range(len(samples)))
+                for name in params}
+
+    expected, without_baseline = update(b), update(0.0)
+    assert 0 < b < 1 and (w == high).any()  # truncation active, rewards 0/1
+    assert vcpo.runtime().last_baseline == pytest.approx(b, rel=1e-4)
+    for name, d in delta.items():
+        assert_update_close(d, expected[name], model, name)
+        # the baseline changed the update, by much more than the tolerance
+        assert (expected[name] - without_baseline[name]).norm() > 0.1 * expected[name].norm(), name
+    assert metrics["pg_clipfrac"] == 0  # the opob term clips nothing (docs/loss.md)
