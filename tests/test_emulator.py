@@ -303,9 +303,10 @@ async def test_kv_overflow_retracts_and_every_request_finishes_correctly(session
 
 
 # ------------------------------------------------------------------------------------- virtual time
-def _workload_virtual(stagger_s: float = 0.0, events: bool = False, **overrides):
-    """16 requests (optionally arriving ``stagger_s`` apart, with aborts and a weight bump in
-    between) on one engine under the virtual clock; returns the replies and the engine's stats."""
+def _workload_virtual(stagger_s: float = 0.0, events: bool = False, arrivals=None, **overrides):
+    """16 requests (optionally arriving ``stagger_s`` apart, or at the emulated times
+    ``arrivals[i]``, with aborts and a weight bump in between) on one engine under the virtual
+    clock; returns the replies and the engine's stats."""
     async def main():
         cluster = build_cluster(1, seed=4, length=LengthModel(median_tokens=150), time_scale=1.0, **overrides)
         await cluster.start()
@@ -317,7 +318,7 @@ def _workload_virtual(stagger_s: float = 0.0, events: bool = False, **overrides)
             loop.call_at(loop.time() + 0.93, cluster.engines[0].abort, "v5")
 
         async def one(i):
-            await asyncio.sleep(stagger_s * i)
+            await asyncio.sleep(stagger_s * i if arrivals is None else arrivals[i])
             return await transport.request("POST", cluster.router_url, "/generate",
                                            gen_body([7, 7, i, 7, 7], 300, f"v{i}", seed=i), 1e6)
         try:
@@ -383,22 +384,62 @@ def test_abort_inside_a_macro_step_returns_tokens_of_completed_steps():
 
 
 def test_virtual_time_matches_real_time_emulation():
-    out_virtual, virtual = _workload_virtual()
+    """The engine on the real clock (over loopback HTTP) and on the virtual clock, given the same
+    requests at the same emulated arrival times, schedules them identically: same tokens, same
+    per-request latencies and the same span of emulated time.
+
+    The arrivals are the one thing wall time decides in the real run (16 HTTP requests reach the
+    engine a few wall milliseconds apart, more on a loaded machine), so the real run records the
+    emulated time at which each one reached the engine and the virtual run replays exactly those.
+    Once busy the engine accounts its steps back to back on the emulated clock whatever the real
+    loop's lag, so what is left to differ is small: a request that arrives while the real loop is
+    late in ending a step is admitted at that step's end instead of cutting the next one.
+
+    The replies must also come on time in wall terms: never before the emulated span divided by
+    the time scale has passed (a loaded machine can only make them later), and not much later.
+    The emulated clock runs at twice wall speed, so a scale applied twice, not at all or inverted
+    misses those bounds, while a loop late by tens of wall milliseconds stays inside them."""
+
+    SCALE = 2.0
 
     async def real_time_run():
         async with aiohttp.ClientSession() as session, start_cluster(
-                1, seed=4, time_scale=2.5, length=LengthModel(median_tokens=150)) as rc:
+                1, seed=4, time_scale=SCALE, length=LengthModel(median_tokens=150)) as rc:
+            engine = rc.cluster.engines[0]
+            submit = engine.submit
+            arrivals = {}
+
+            def recording_submit(rid, *args, **kwargs):
+                future = submit(rid, *args, **kwargs)
+                arrivals[rid] = engine._requests[rid].arrival_t  # the time the engine itself used
+                return future
+
+            engine.submit = recording_submit
+            loop = asyncio.get_running_loop()
+            wall = loop.time()
             out = await asyncio.gather(*[call(session, "POST", rc.router_url, "/generate",
                                               gen_body([7, 7, i, 7, 7], 300, f"v{i}", seed=i)) for i in range(16)])
-            return [reply for _, reply in out], rc.cluster.stats()["engines"][0]
+            wall = loop.time() - wall
+            return [reply for _, reply in out], rc.cluster.stats()["engines"][0], arrivals, wall
 
-    out_real, real = asyncio.run(real_time_run())
+    out_real, real, arrivals, wall = asyncio.run(real_time_run())
+    out_virtual, virtual = _workload_virtual(arrivals=[arrivals[f"v{i}"] for i in range(16)])
     assert [r["output_ids"] for r in out_real] == [r["output_ids"] for r in out_virtual]
+    assert real["generated_tokens"] == virtual["generated_tokens"]
+    assert real["first_arrival_t"] == pytest.approx(virtual["first_arrival_t"], abs=1e-9)
     span_virtual = virtual["last_reply_t"] - virtual["first_arrival_t"]
     span_real = real["last_reply_t"] - real["first_arrival_t"]
     assert span_virtual > 1.0
     assert span_real == pytest.approx(span_virtual, rel=0.05)
-    assert real["generated_tokens"] == virtual["generated_tokens"]
+    # Wall time of the 16 calls: at least the span at SCALE emulated seconds per wall second
+    # (~1.6 s), and at most 1.5 times that plus half a second of lateness.
+    nominal = span_real / SCALE
+    assert nominal <= wall <= 1.5 * nominal + 0.5, (wall, nominal)
+    # Per request, not just the end: each latency (0.27 to 3 s) within 0.15 emulated seconds,
+    # ~15 decode steps, which a late admission or a request put in another batch would exceed.
+    latencies_real = [r["meta_info"]["e2e_latency"] for r in out_real]
+    latencies_virtual = [r["meta_info"]["e2e_latency"] for r in out_virtual]
+    assert latencies_real == pytest.approx(latencies_virtual, rel=0, abs=0.15)
 
 
 # ------------------------------------------------------------------------------------- length model

@@ -559,7 +559,14 @@ def engine_processes():
 def test_http_engine_killed_mid_step_and_restarted(quiet, engine_processes):
     """SIGKILL of a real engine process while a step has requests on it, a restart on the same
     port, and a second kill that lasts two steps: no step loses or repeats a group, every token is
-    the engine's, and the restarted engine comes back into dispatch."""
+    the engine's, and the restarted engine comes back into dispatch.
+
+    Nothing here rests on how long a step takes in wall time, which a loaded machine changes:
+    the kill waits for the step's first request to the victim, a step with the victim dead must
+    send it nothing at all, and a restarted victim is waited for step by step (it is probed at
+    the start of every step and takes requests once the probe answers, which may be a step or
+    two later) with a generous bound. The scheduler's deadlines are far above what a healthy
+    call takes, so only a dead engine ever reaches them."""
     model = SyntheticLM(seed=EMU_SEED, length=LengthModel.parse("short"))
     victim, other = engine_processes
 
@@ -581,53 +588,89 @@ def test_http_engine_killed_mid_step_and_restarted(quiet, engine_processes):
             return out
 
     ledger = Ledger()
+    back_within = 10  # steps a restarted engine may take to get requests again
 
     async def main():
         transport = HttpTransport()
-        client = EngineClient([victim.url, other.url], transport=transport, timeout_s=30.0, max_retries=2,
+        client = EngineClient([victim.url, other.url], transport=transport, timeout_s=60.0, max_retries=2,
                               retry_backoff_s=0.1, vocab_size=model.vocab_size)
         buffer = PartialBuffer()
         sched = RolloutScheduler(AprilConfig.from_dict({"policy": "copris", "concurrency": 8}), client, buffer,
                                  rollout_batch_size=BATCH, n_samples_per_prompt=N_SAMPLES,
-                                 sampling_params={"temperature": 1.0}, drain_timeout_s=5.0,
-                                 probe_timeout_s=2.0, probe_interval_s=0.2)
+                                 sampling_params={"temperature": 1.0}, drain_timeout_s=30.0,
+                                 probe_timeout_s=10.0, probe_interval_s=0.2)
         prompts = Prompts()
         loop = asyncio.get_running_loop()
-        victim_calls = []
-        try:
-            for step in range(12):
-                before = client.stats[victim.url].calls
-                task = loop.create_task(sched.run_step(prompts, 0))
-                if step in (2, 6):
-                    while client.stats[victim.url].calls == before:  # requests are on the victim
-                        await asyncio.sleep(0.002)
-                    assert not task.done()
+        victim_calls: list[int] = []  # generate calls the victim got, per step
+        failed_steps: list[int] = []
+        kill_steps: list[int] = []
+
+        async def step(kill: bool = False) -> int:
+            """One step (killing the victim once it has a request of the step); the victim's calls."""
+            n = len(victim_calls)
+            before = client.stats[victim.url].calls
+            task = loop.create_task(sched.run_step(prompts, 0))
+            if kill:
+                # The counter moves when a request to the victim starts: kill it with that
+                # request in flight (an event, not a guess at how long the step takes). A step
+                # may also end without any call (the buffer can hold enough finished groups).
+                while client.stats[victim.url].calls == before and not task.done():
+                    await asyncio.sleep(0.002)
+                if client.stats[victim.url].calls > before:
                     victim.kill()
-                try:
-                    result = await task
-                    ledger.delivered += [g.uid for g in result.groups]
-                    for g in result.groups:
-                        check_against(model, g)
-                except RolloutStepError:
-                    pass
-                ledger.dropped.update(sched.last_dropped)
-                for g in buffer.groups():
+                    kill_steps.append(n)
+            try:
+                result = await task
+                ledger.delivered += [g.uid for g in result.groups]
+                for g in result.groups:
                     check_against(model, g)
-                ledger.check(buffer, f"http step {step}")
-                victim_calls.append(client.stats[victim.url].calls - before)
-                if step in (3, 8):
-                    await loop.run_in_executor(None, victim.start)
+            except RolloutStepError:
+                failed_steps.append(n)
+            ledger.dropped.update(sched.last_dropped)
+            for g in buffer.groups():
+                check_against(model, g)
+            ledger.check(buffer, f"http step {n}")
+            victim_calls.append(client.stats[victim.url].calls - before)
+            return victim_calls[-1]
+
+        async def kill_mid_step() -> None:
+            for _ in range(5):
+                await step(kill=True)
+                if kill_steps and kill_steps[-1] == len(victim_calls) - 1:
+                    return
+            raise AssertionError(f"no step in 5 sent a request to the victim: {victim_calls}")
+
+        async def restart_and_wait_until_back() -> None:
+            await loop.run_in_executor(None, victim.start)
+            for _ in range(back_within):
+                if await step() > 0:
+                    return
+            raise AssertionError(f"the restarted engine got no request in {back_within} steps: {victim_calls}")
+
+        try:
+            await step()
+            await step()
+            await kill_mid_step()
+            assert await step() == 0, "a killed engine kept getting requests"
+            await restart_and_wait_until_back()
+            await step()
+            await kill_mid_step()
+            for _ in range(2):  # the second kill lasts two steps
+                assert await step() == 0, "a killed engine kept getting requests"
+            await restart_and_wait_until_back()
+            await step()
         finally:
             await client.close()
             await transport.close()
-        return victim_calls, sched
+        return victim_calls, failed_steps, kill_steps, sched
 
-    victim_calls, sched = asyncio.run(main())
-    assert victim_calls[7] == 0, "a killed engine kept getting requests"
-    # back in dispatch once its probe answers (a step may end before that)
-    assert sum(victim_calls[4:6]) > 0 and sum(victim_calls[9:]) > 0, "the restarted engine did not come back"
+    victim_calls, failed_steps, kill_steps, sched = asyncio.run(main())
+    print(f"\nvictim calls per step {victim_calls}, killed in steps {kill_steps}, failed steps {failed_steps}")
     assert victim.url not in sched.health.excluded
-    assert len(ledger.delivered) >= 7 * BATCH
+    # Only a step that had the victim killed under it may fail (a trajectory there can exhaust
+    # its retries); every other step delivers its batch.
+    assert set(failed_steps) <= set(kill_steps), (failed_steps, kill_steps, victim_calls)
+    assert len(ledger.delivered) == (len(victim_calls) - len(failed_steps)) * BATCH
 
 
 def check_against(model, g: Group) -> None:
