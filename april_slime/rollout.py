@@ -325,6 +325,9 @@ class _SampleCodec:
         t.response_ids = response
         t.logprobs = [float(x) for x in logprobs]
         t.version_runs = runs
+        # The calls' versions go with the response: handed out again (``get_samples``) without a
+        # new call, the sample must still say which policies generated it, or it would restart.
+        t.call_versions = self._call_versions(s) or [v for v, _ in runs]
         t.status = TrajectoryStatus[status]
         t.finish_reason = {"COMPLETED": "stop", "TRUNCATED": "length", "ABORTED": "abort"}[status]
         if not t.status.finished:
@@ -339,13 +342,19 @@ class _SampleCodec:
             runs = [[int(v), int(c)] for v, c in runs]
             if sum(c for _, c in runs) == length:
                 return runs
+        versions = _SampleCodec._call_versions(s)
+        return [[min(versions), length]] if versions else None
+
+    @staticmethod
+    def _call_versions(s: Any) -> list[int]:
+        """The integer versions among slime's per-call ``weight_versions`` strings."""
         versions = []
         for v in s.weight_versions or []:
             try:
                 versions.append(int(v))
             except (TypeError, ValueError):
                 pass
-        return [[min(versions), length]] if versions else None
+        return versions
 
 
 def _plain_sample_dict(s: Any) -> dict:

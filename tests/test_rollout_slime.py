@@ -501,3 +501,30 @@ def test_get_samples_serves_buffered_groups_first_like_slimes_buffer(cluster, tm
                 assert s.response_length > 0
     fresh = groups[buffered:]
     assert all(s.status is Sample.Status.PENDING and s.response_length == 0 for g in fresh for s in g)
+
+
+def test_buffered_partials_keep_their_tokens_through_repeated_hand_outs(cluster, tmp_path, prompts):
+    """slime's own partial rollout may hand a buffered group back untouched (aborted before any of
+    its requests reached an engine). Round after round, each response keeps its tokens, log-probs
+    and the versions that generated them: none is restarted for want of versions."""
+    args = point_at(make_args(tmp_path, prompts, april_over_sampling_factor=3.0), cluster)
+    source = rollout.AprilDataSource(args)
+    rollout.generate_rollout(args, 0, source)
+    before = {g.uid: [(t.response_ids, t.logprobs, t.version_runs) for t in g.trajectories]
+              for g in source.buffer.groups()}
+    assert any(ids for responses in before.values() for ids, _, _ in responses), "nothing partial was buffered"
+    for _ in range(3):
+        groups = source.get_samples(len(before))
+        assert {str(g[0].group_index) for g in groups} == set(before)
+        assert all(s.weight_versions for g in groups for s in g if s.response_length > 0)
+        source.add_samples(groups)
+    after = {g.uid: [(t.response_ids, t.logprobs, t.version_runs) for t in g.trajectories]
+             for g in source.buffer.groups()}
+    assert set(after) == set(before)
+    for uid, responses in before.items():
+        for (ids, logprobs, runs), (ids2, logprobs2, runs2) in zip(responses, after[uid]):
+            assert ids2 == ids and logprobs2 == logprobs, f"group {uid} lost a response on its way round"
+            if ids:
+                # slime's hand-out keeps the call versions, not the per-token runs: every token then
+                # counts as the oldest version that touched it (never staler than it is, never fresher)
+                assert runs2 == [[min(v for v, _ in runs), len(ids)]]

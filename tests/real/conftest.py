@@ -257,3 +257,144 @@ def plugin_args(stack: RealStack, tmp_path: Path, *, settings: dict[str, Any] | 
 async def length_parity_reward(args, sample, **kwargs) -> float:
     """A reward that varies within a group, so GRPO-style normalization has something to do."""
     return float(sample.response_length % 2)
+
+
+# ------------------------------------------------------------------ events placed inside requests
+# Tests that need something to happen *while* requests run (an abort, a weight update) do not sleep
+# and hope: they read the engines' progress from ``/v1/loads`` (requests running, KV tokens in
+# use) until the requests provably hold tokens and are not finished, act then, and afterwards
+# check from the samples' recorded versions that the event did land where it should. Requests are
+# made long enough (a large budget, weights that almost never sample EOS) that "not finished yet"
+# holds with a wide margin whatever the machine's speed.
+PROGRESS_DEADLINE_S = 180.0
+
+
+def engine_loads(urls: list[str]) -> list[dict]:
+    return [http_json("GET", f"{u}/v1/loads")[1]["loads"][0] for u in urls]
+
+
+def wait_for_progress(urls: list[str], *, running: int, tokens_each: int, prompt_tokens: int,
+                      deadline_s: float = PROGRESS_DEADLINE_S, stop: Any = None) -> list[dict]:
+    """Poll ``urls`` until at least ``running`` requests are running on them (none waiting) and
+    their KV tokens in use show at least ``tokens_each`` generated tokens per request on average,
+    counting ``prompt_tokens`` (an upper bound of one prompt's length) for each request's prompt
+    even where prompts share a cached prefix: the estimate of generated tokens is low, but for the
+    slot SGLang allocates for a request's next token before computing it (a token or two per
+    request; callers keep a margin for it). Returns the loads seen.
+    Fails naming the last loads at the deadline, or at once when ``stop`` (a ``threading.Event``)
+    is set: the caller gave up, and an event placed later would land in the wrong place."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        assert stop is None or not stop.is_set(), "stopped: the requests being waited for are gone"
+        loads = engine_loads(urls)
+        n_running = sum(l["num_running_reqs"] for l in loads)
+        n_waiting = sum(l["num_waiting_reqs"] for l in loads)
+        generated = sum(l["num_used_tokens"] for l in loads) - n_running * prompt_tokens
+        if n_running >= running and n_waiting == 0 and generated >= n_running * tokens_each:
+            return loads
+        assert time.monotonic() < deadline, (
+            f"no moment with {running} requests running and {tokens_each} tokens generated each within "
+            f"{deadline_s:.0f} s; last loads: running {n_running}, waiting {n_waiting}, about {generated} "
+            "generated tokens")
+        time.sleep(0.01)
+
+
+class Placement:
+    """``act()`` run in a thread of its own at the first moment ``wait_for_progress(urls,
+    **progress)`` sees, while the caller runs the requests; ``finish()`` once they are over says
+    whether it acted. A lone tiny-model request decodes hundreds of tokens a second, so on a
+    starved machine a poll can miss a step's requests whole: then nothing was done and ``finish()``
+    returns False (the caller tries again with new requests, a bounded number of times). Any other
+    failure, the deadline included, is raised by ``finish()``."""
+
+    def __init__(self, urls: list[str], act, **progress: Any) -> None:
+        import threading
+
+        self.stop, self.placed, self.error = threading.Event(), False, None
+        self.thread = threading.Thread(target=self._run, args=(urls, act, progress), daemon=True)
+        self.thread.start()
+
+    def _run(self, urls: list[str], act, progress: dict) -> None:
+        try:
+            wait_for_progress(urls, stop=self.stop, **progress)
+        except AssertionError as e:
+            if not self.stop.is_set():
+                self.error = e
+            return
+        except BaseException as e:  # noqa: BLE001  (re-raised by finish)
+            self.error = e
+            return
+        try:
+            act()
+            self.placed = True
+        except BaseException as e:  # noqa: BLE001  (re-raised by finish)
+            self.error = e
+
+    def finish(self) -> bool:
+        self.stop.set()
+        self.thread.join()
+        if self.error is not None:
+            raise AssertionError(f"placing the event inside the requests failed: {self.error!r}") from self.error
+        return self.placed
+
+
+def prompt_token_bound(stack: "RealStack", prompts_jsonl: Path) -> int:
+    """The longest prompt of a jsonl prompt file, in tokens."""
+    lines = Path(prompts_jsonl).read_text(encoding="utf-8").splitlines()
+    return max(len(stack.tokenizer.encode(json.loads(line)["prompt"], add_special_tokens=False))
+               for line in lines if line.strip())
+
+
+def post_ok(url: str, body: Any) -> Any:
+    status, reply = http_json("POST", url, body)
+    assert status == 200, (url, reply)
+    return reply
+
+
+def pause_in_place(urls: list[str]) -> None:
+    """SGLang's in-place pause: running requests stay where they are, no token is computed until
+    ``continue_generation``, new requests wait."""
+    for url in urls:
+        post_ok(f"{url}/pause_generation", {"mode": "in_place"})
+
+
+def continue_generation(urls: list[str]) -> None:
+    for url in urls:
+        post_ok(f"{url}/continue_generation", {})
+
+
+def abort_and_hold(urls: list[str]) -> None:
+    """SGLang's abort pause: every running request is aborted (its reply carries the tokens it
+    has) and new requests wait until ``continue_generation``; returns once nothing runs."""
+    for url in urls:
+        post_ok(f"{url}/pause_generation", {"mode": "abort"})
+
+
+def load_weights(urls: list[str], model_path: str | os.PathLike, version: int, flush_cache: bool = True) -> None:
+    """``/update_weights_from_disk`` under ``version``; on a paused engine it applies at once."""
+    for url in urls:
+        reply = post_ok(f"{url}/update_weights_from_disk", {"model_path": str(model_path),
+                                                            "weight_version": str(version),
+                                                            "flush_cache": flush_cache})
+        assert reply["success"], reply
+
+
+@pytest.fixture(scope="session")
+def long_weights(real_stack, tmp_path_factory) -> tuple[Path, Path]:
+    """Two weights of the stack's shape and tokenizer whose logits spread like the stack's (std 2)
+    but whose EOS is about 1e-6 likely per token at temperature 1 (about 1 in 10^4 responses of
+    100 tokens ends early) and, far below the other logits, never the greedy choice: responses run
+    to their budget, so a request is still running a known number of tokens after it started."""
+    root = tmp_path_factory.mktemp("long-weights")
+    paths = []
+    for seed in (3, 4):
+        paths.append(build_tiny_qwen3(root / f"long-{seed}", tokenizer=real_stack.tokenizer, eos_rate=1e-6,
+                                      seed=seed))
+    return paths[0], paths[1]
+
+
+def version_spans(sample) -> list[tuple[int, int]]:
+    """The per-token version runs the plugin recorded for a slime sample."""
+    from april_slime import rollout
+
+    return [(int(v), int(c)) for v, c in sample.train_metadata[rollout.TOKEN_VERSIONS_KEY]]

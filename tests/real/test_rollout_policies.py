@@ -10,7 +10,8 @@ import math
 import pytest
 
 from april_slime import rollout
-from real_tier import SlimeRolloutManager, http_json, plugin_args
+from real_tier import (Placement, SlimeRolloutManager, abort_and_hold, continue_generation, http_json, load_weights,
+                       plugin_args, prompt_token_bound, version_spans)
 
 BATCH, N, MAX_LEN = 4, 2, 32
 
@@ -87,65 +88,73 @@ def test_policy_delivers_exact_batch_in_slime_contract(real_stack, manager_for, 
         assert resumed > 0 or len(m.data_source.buffer) > 0
 
 
-def test_aborted_greedy_samples_resume_to_the_uninterrupted_generation(real_stack, manager_for, tmp_path):
-    """Greedy (top-k 1), weights unchanged, every request aborted by the engines mid-way (an
-    ``abort_all`` sent to each engine while the step runs): the partials come back, are resumed
-    with prompt + partial response and the remaining budget, and every resumed sample equals the
-    uninterrupted greedy generation of its prompt, token for token.
+def test_aborted_greedy_samples_resume_to_the_uninterrupted_generation(real_stack, manager_for, long_weights):
+    """Greedy (top-k 1), every request aborted by the engines mid-way: the partials come back, are
+    resumed with prompt + partial response and the remaining budget, and every resumed sample
+    equals the uninterrupted greedy generation of its prompt, token for token.
 
-    The engines serve plain random weights here (EOS as likely as any token), so greedy responses
-    run to the budget and are mid-way when the abort lands. (With equal lengths nothing is mid-way
-    at an abort at target, which the other tests cover with sampled lengths.)"""
-    import threading
-    import time
+    The abort is placed, not timed. The engines serve weights whose greedy choice is never EOS, so
+    every response runs to its 256-token budget; once their loads show the step's requests (8
+    groups of 2: over-sampling 2) running, none waiting, with at least 6 tokens each on average
+    (far from 256), SGLang's abort pause aborts them all and holds new requests while the same
+    weights are loaded again under the next version, so that the resumed calls run under another
+    version than the partials: the version runs of a resumed sample then show how many tokens it
+    had before the abort, and the test requires some to have had more than none (an abort that
+    found no token to return proves nothing about stitching). A step whose requests the poll
+    missed (see ``Placement``) is followed by another, at most 3 steps."""
+    max_len, each, attempts = 256, 6, 3
+    weights = long_weights[0]
+    v1 = real_stack.weight_version() + 1
+    real_stack.push_weights(weights, v1)
+    urls = real_stack.engine_urls
 
-    from transformers import AutoTokenizer
-
-    from april_slime.localstack import build_tiny_qwen3
-
-    max_len = 64
-    plain = build_tiny_qwen3(tmp_path / "plain", tokenizer=AutoTokenizer.from_pretrained(real_stack.model_path),
-                             seed=2)
-    real_stack.push_weights(plain, real_stack.weight_version() + 1)
-
-    def abort_mid_way() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            loads = [http_json("GET", f"{u}/v1/loads")[1]["loads"][0] for u in real_stack.engine_urls]
-            if sum(l["num_running_reqs"] for l in loads) > 0:
-                break
-            time.sleep(0.05)
-        time.sleep(0.4)
-        for url in real_stack.engine_urls:
-            http_json("POST", f"{url}/abort_request", {"abort_all": True})
+    def abort_and_reload() -> None:
+        abort_and_hold(urls)
+        try:
+            load_weights(urls, weights, v1 + 1)
+        finally:
+            continue_generation(urls)
 
     try:
         m = manager_for(settings={"april_policy": "april", "april_over_sampling_factor": 2.0}, batch=BATCH, n=N,
                         max_len=max_len, extra_argv=["--rollout-top-k", "1"])
-        resumed = []
-        for rollout_id in (0, 1):
-            aborter = threading.Thread(target=abort_mid_way)
-            aborter.start()
-            samples, _, _ = m.generate(rollout_id)
-            aborter.join()
+        prompt_tokens = prompt_token_bound(real_stack, m.manager.args.prompt_data)
+        resumed, placed, step = [], False, 0
+        for step in range(attempts):
+            placement = Placement(urls, abort_and_reload, running=N, tokens_each=each, prompt_tokens=prompt_tokens)
+            try:
+                samples, _, _ = m.generate(step)
+            finally:
+                # the step cannot end while the engines are held, so the abort has happened or never will
+                placed = placement.finish()
             resumed += [s for s in samples if s.metadata["april_num_aborts"] > 0]
+            if placed:
+                break
+        assert placed, f"in {attempts} steps the poll never saw the requests running with {each} tokens each"
+        # the groups cut by the abort at target resume from the buffer in the next step
+        samples, _, _ = m.generate(step + 1)
+        resumed += [s for s in samples if s.metadata["april_num_aborts"] > 0]
         rollout.shutdown()
         real_stack.wait_idle()
-        uninterrupted = {}
-        for s in resumed:
-            prompt_ids = real_stack.tokenizer.encode(s.prompt, add_special_tokens=False)
-            status, reply = http_json("POST", f"{real_stack.engine_urls[0]}/generate", {
-                "input_ids": prompt_ids, "sampling_params": {"max_new_tokens": max_len, "temperature": 1.0,
-                                                             "top_k": 1, "no_stop_trim": True}})
-            assert status == 200, reply
-            uninterrupted[s.index] = (prompt_ids, reply["output_ids"])
+        # the uninterrupted greedy generations, in one batch, under the same weights
+        prompts = [real_stack.tokenizer.encode(s.prompt, add_special_tokens=False) for s in resumed]
+        status, replies = http_json("POST", f"{urls[0]}/generate", {
+            "input_ids": prompts, "sampling_params": {"max_new_tokens": max_len, "temperature": 1.0,
+                                                      "top_k": 1, "no_stop_trim": True}})
+        assert status == 200 and len(replies) == len(resumed), replies
     finally:
         rollout.shutdown()
         real_stack.wait_idle()
         real_stack.restore_weights()
-    assert resumed, "no aborted sample was resumed into a trained sample"
-    for s in resumed:
-        prompt_ids, output_ids = uninterrupted[s.index]
-        assert s.tokens[len(prompt_ids):] == output_ids, (
-            f"resumed sample {s.index} ({s.metadata['april_num_calls']} calls) differs from the "
-            "uninterrupted greedy generation")
+    # the abort hit requests that had tokens: resumed samples whose first call, under v1, returned
+    # a non-empty partial, and whose resumption ran under v1 + 1
+    cut = [s for s in resumed if s.metadata["april_num_calls"] >= 2 and len(version_spans(s)) == 2
+           and version_spans(s)[0][0] == v1 and version_spans(s)[0][1] > 0]
+    assert cut, ("no resumed sample had tokens before the abort: "
+                 f"{[(s.index, version_spans(s), s.metadata['april_num_calls']) for s in resumed]}")
+    assert all(s.response_length == max_len for s in resumed), "greedy never stops here: every response is full"
+    for s, prompt_ids, reply in zip(resumed, prompts, replies):
+        assert s.tokens[:len(prompt_ids)] == prompt_ids
+        assert s.tokens[len(prompt_ids):] == reply["output_ids"], (
+            f"resumed sample {s.index} ({s.metadata['april_num_calls']} calls, versions {version_spans(s)}) "
+            "differs from the uninterrupted greedy generation")
