@@ -520,7 +520,13 @@ class SlimeRolloutManager:
 
         from slime.utils.http_utils import init_http_client
 
+        from slime.rollout.sglang_rollout import GenerateState
+
         init_http_client(args)  # slime's HTTP client to the router, as RolloutManager.__init__ makes it
+        # slime builds its rollout state (tokenizer, sampling parameters, semaphore) once per
+        # process, from the first job's arguments. A manager here stands for a job process of its
+        # own, so it must not inherit another job's: another model's tokenizer, say.
+        GenerateState._instances.pop(GenerateState, None)
         raw = RolloutManager.__ray_metadata__.modified_class.__mro__[1]
         assert raw.__name__ == "RolloutManager", raw
         self.cls = raw

@@ -71,7 +71,11 @@ def test_staleness_bound_restarts_or_drops_buffered_groups(real_stack, tmp_path,
 
 def test_partial_buffer_survives_slime_checkpoint_save_and_load(real_stack, tmp_path):
     """``RolloutManager.save`` after a step, a new job ``--load``-ing that checkpoint: every
-    buffered partial comes back with its tokens, log-probs and versions, and is resumed first."""
+    buffered partial comes back with its tokens, log-probs and versions, and is resumed first.
+
+    The new job's step asks for exactly as many groups as were buffered, with no over-provisioning,
+    so it must take (buffered groups first) and finish every one of them: each restored partial is
+    then resumed and trained, however fast or slow the engines run."""
     settings = {"april_policy": "april", "april_over_sampling_factor": 3.0}
     first = SlimeRolloutManager(plugin_args(real_stack, tmp_path / "a", settings=settings, batch=BATCH, n=N,
                                             max_len=MAX_LEN))
@@ -87,8 +91,10 @@ def test_partial_buffer_survives_slime_checkpoint_save_and_load(real_stack, tmp_
     # the trainer's half of the checkpoint; slime only --load-s a folder Megatron has saved into
     (tmp_path / "a" / "ckpt" / "latest_checkpointed_iteration.txt").write_text("1")
 
-    second = SlimeRolloutManager(plugin_args(real_stack, tmp_path / "b", settings=settings, batch=BATCH, n=N,
-                                             max_len=MAX_LEN, load=str(tmp_path / "a" / "ckpt")))
+    n_buffered = len(buffered_group_ids(first.data_source))
+    second = SlimeRolloutManager(plugin_args(real_stack, tmp_path / "b", batch=n_buffered, n=N, max_len=MAX_LEN,
+                                             settings={"april_policy": "april", "april_over_sampling_factor": 1.0},
+                                             load=str(tmp_path / "a" / "ckpt")))
     second.load(0)
     assert partials(second.data_source) == saved
     # slime's own data-source state came back too: no prompt of step 0 is handed out again
@@ -97,14 +103,16 @@ def test_partial_buffer_survives_slime_checkpoint_save_and_load(real_stack, tmp_
     finally:
         rollout.shutdown()
         real_stack.wait_idle()
-    check_slime_contract(samples, train, tokenizer=real_stack.tokenizer, batch=BATCH, n=N, max_len=MAX_LEN,
+    check_slime_contract(samples, train, tokenizer=real_stack.tokenizer, batch=n_buffered, n=N, max_len=MAX_LEN,
                          prompt_of=lambda s: s.prompt)
-    resumed = [s for s in samples if s.metadata["april_num_aborts"] > 0]
-    assert resumed, "the restored partials were not resumed first"
-    for s in resumed:
+    assert {s.index for s in samples} == set(saved), "the step did not take the restored groups first"
+    for s in samples:
         before = saved[s.index]
-        assert s.tokens[-s.response_length:][:len(before[0])] == before[0]
+        assert s.tokens[-s.response_length:][:len(before[0])] == before[0], f"sample {s.index} lost its partial"
         assert s.rollout_log_probs[:len(before[1])] == before[1]
+    resumed = [s for s in samples if saved[s.index][0] and saved[s.index][0] != s.tokens[-s.response_length:]]
+    assert resumed, "no restored partial was resumed"
+    assert all(s.metadata["april_num_aborts"] > 0 for s in resumed)
 
 
 def test_evaluation_goes_through_slimes_eval_path(real_stack, tmp_path):
