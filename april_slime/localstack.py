@@ -420,7 +420,9 @@ class LocalRouter:
         listed = {w.get("url") for w in _get_json(f"{self.url}/workers").get("workers", [])}
         return set(self.worker_urls) <= listed
 
-    def start(self, timeout_s: float = 120.0) -> "LocalRouter":
+    def start(self, timeout_s: float = 600.0) -> "LocalRouter":
+        # The deadline only guards against a hang, like the engines': on a starved machine the
+        # router's start-up alone (a Python launcher, then the Rust server) has taken over 120 s.
         for attempt in range(3):
             if self.port is None or self._fixed_port is None:
                 self.port = free_port(self.host)

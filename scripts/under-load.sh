@@ -19,13 +19,19 @@ runs="$1"
 shift
 
 load_pids=()
-stop_load() {
+run_pid=""
+stop_all() {
+    if [[ -n "$run_pid" ]]; then
+        kill "$run_pid" 2>/dev/null || true
+    fi
     if [[ ${#load_pids[@]} -gt 0 ]]; then
         kill "${load_pids[@]}" 2>/dev/null || true
         wait "${load_pids[@]}" 2>/dev/null || true
     fi
 }
-trap stop_load EXIT INT TERM
+trap stop_all EXIT
+# Interrupted: stop the run in progress and the remaining runs, not only the load.
+trap 'exit 130' INT TERM
 
 for _ in $(seq "${LOAD_PROCS:-$(nproc)}"); do
     # a pure-Python busy loop: one core each, no memory, no I/O
@@ -36,12 +42,16 @@ done
 passed=0
 for i in $(seq "$runs"); do
     start=$(date +%s)
-    if "$@"; then
+    # in the background, so that a signal is handled at once rather than after the run
+    "$@" &
+    run_pid=$!
+    if wait "$run_pid"; then
         passed=$((passed + 1))
         verdict=passed
     else
         verdict=FAILED
     fi
+    run_pid=""
     printf '[under-load] run %d/%d %s in %d s (load average %s)\n' "$i" "$runs" "$verdict" \
         "$(($(date +%s) - start))" "$(cut -d' ' -f1 /proc/loadavg)" >&2
 done

@@ -299,6 +299,15 @@ def patch_real_tokenizer(monkeypatch) -> None:
     same tests run without a model checkpoint on disk."""
     processing = importlib.import_module("slime.utils.processing_utils")
     data_source = importlib.import_module("slime.rollout.data_source")
-    for module in (processing, data_source):
+    modules = [processing, data_source]
+    # Modules that bind ``load_tokenizer`` by name at import: imported first, so that the binding
+    # is the real loader, then patched here too (and restored). Imported for the first time while
+    # the patch is on, one would keep the toy loader for the rest of the process.
+    for name in ("slime.rollout.sglang_rollout",):
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    for module in modules:
         monkeypatch.setattr(module, "load_tokenizer", load_tokenizer, raising=False)
         monkeypatch.setattr(module, "load_processor", lambda *a, **k: None, raising=False)

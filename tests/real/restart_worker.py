@@ -9,7 +9,8 @@ config says:
 - ``kill: "save"``: at the data-source save point ``point`` of checkpoint ``kill_save``
   (``APRIL_SLIME_SAVE_KILL_AT``, see ``april_slime.checkpoint``);
 - ``kill: "step"``: in the middle of rollout ``kill_save + 1``, from inside slime's reward path at
-  the first reward of that rollout, while the rest of its requests are still on the engines.
+  the first reward of that rollout, while the rest of its requests are still on the engines (or,
+  where that rollout needs no new reward, as it returns, before anything reaches the trainer).
 
 Each line of stdout is one JSON event: ``step`` (the prompt groups a rollout delivered to the
 trainer, the buffered ones, the data-source state as of its end), ``finished`` when nothing was
@@ -70,6 +71,11 @@ def main() -> None:
     for k in range(cfg["kill_save"] + 1):
         if cfg["kill"] == "step" and k == cfg["kill_save"]:
             KILL_IN_REWARD = True
+            m.generate(k + 1)
+            # No reward was asked for: every group this rollout delivered came finished (and
+            # rewarded) from the buffer, which a slow machine makes likely. The kill still lands
+            # inside the rollout, before it reaches the trainer or a checkpoint.
+            os.kill(os.getpid(), signal.SIGKILL)
         step(k + 1)
         if cfg["kill"] == "save" and k == cfg["kill_save"]:
             os.environ[checkpoint.KILL_AT_ENV] = cfg["point"]
