@@ -25,9 +25,8 @@ import math
 
 import pytest
 
-import slime_standin
 from april_slime import rollout
-from test_rollout_slime import Cluster, make_args, point_at
+from test_rollout_slime import Cluster, cluster, make_args, point_at, slime_mode  # noqa: F401  (fixtures)
 
 ROLLOUTS = 3
 
@@ -48,30 +47,12 @@ async def bump_on_first_reward(args, sample, **kwargs):
 
 
 @pytest.fixture
-def slime_mode(monkeypatch):
-    mode = slime_standin.install(monkeypatch)
-    if mode == "real":
-        slime_standin.patch_real_tokenizer(monkeypatch)
-    yield mode
-    rollout.shutdown()
-
-
-@pytest.fixture
 def prompts(tmp_path):
     path = tmp_path / "prompts.jsonl"
     with open(path, "w") as f:
         for i in range(60):
             f.write(json.dumps({"prompt": f"Q{i:03d}", "label": str(2 * i)}) + "\n")
     return path
-
-
-@pytest.fixture
-def cluster(slime_mode):
-    c = Cluster()
-    c.bump(1)  # slime pushes the first weights (version 1) before rollout 0
-    yield c
-    rollout.shutdown()
-    c.stop()
 
 
 def expand(runs) -> list[int]:
