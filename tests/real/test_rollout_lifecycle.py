@@ -79,27 +79,32 @@ def test_partial_buffer_survives_slime_checkpoint_save_and_load(real_stack, tmp_
     settings = {"april_policy": "april", "april_over_sampling_factor": 3.0}
     first = SlimeRolloutManager(plugin_args(real_stack, tmp_path / "a", settings=settings, batch=BATCH, n=N,
                                             max_len=MAX_LEN))
+    # a fast engine can finish every request before the abort: step until a partial is buffered
     try:
-        first.generate(0)
-        first.save(0)
+        for saved_id in range(4):
+            first.generate(saved_id)
+            if any(t.response_ids and not t.status.finished
+                   for g in first.data_source.buffer.groups() for t in g.trajectories):
+                break
+        first.save(saved_id)
     finally:
         rollout.shutdown()
         real_stack.wait_idle()
     saved = partials(first.data_source)
     assert any(ids for ids, _, _ in saved.values()), "no partial tokens were buffered"
-    assert (tmp_path / "a" / "ckpt" / "rollout" / "april_state_0.json").exists()
+    assert (tmp_path / "a" / "ckpt" / "rollout" / f"april_state_{saved_id}.json").exists()
     # the trainer's half of the checkpoint; slime only --load-s a folder Megatron has saved into
-    (tmp_path / "a" / "ckpt" / "latest_checkpointed_iteration.txt").write_text("1")
+    (tmp_path / "a" / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(saved_id + 1))
 
     n_buffered = len(buffered_group_ids(first.data_source))
     second = SlimeRolloutManager(plugin_args(real_stack, tmp_path / "b", batch=n_buffered, n=N, max_len=MAX_LEN,
                                              settings={"april_policy": "april", "april_over_sampling_factor": 1.0},
                                              load=str(tmp_path / "a" / "ckpt")))
-    second.load(0)
+    second.load(saved_id)
     assert partials(second.data_source) == saved
     # slime's own data-source state came back too: no prompt of step 0 is handed out again
     try:
-        samples, _, train = second.generate(1)
+        samples, _, train = second.generate(saved_id + 1)
     finally:
         rollout.shutdown()
         real_stack.wait_idle()
