@@ -14,7 +14,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["april_slime", "april_slime.*"]),
     # the published figures `april-slime bench reproduce` compares against
-    package_data={"april_slime.bench": ["data/*.json"]},
+    package_data={"april_slime.workbench.bench": ["data/*.json"]},
     # torch is deliberately absent: slime images ship their own build, and the test setup pins
     # the CPU wheel. The loss/VCPO modules import it; the rollout side does not need it.
     install_requires=["aiohttp>=3.9", "numpy>=1.24", "pyyaml>=6.0"],
@@ -22,5 +22,5 @@ setup(
         "bench": ["matplotlib>=3.7", "tqdm>=4.60"],
         "test": ["pytest>=7.4", "pytest-asyncio>=0.23", "matplotlib>=3.7", "tqdm>=4.60"],
     },
-    entry_points={"console_scripts": ["april-slime=april_slime.cli:main"]},
+    entry_points={"console_scripts": ["april-slime=april_slime.workbench.cli:main"]},
 )

@@ -1,4 +1,4 @@
-"""slime loss hooks built on :mod:`april_slime.offpolicy`.
+"""slime loss hooks built on :mod:`april_slime.training.offpolicy`.
 
 Two entry points, loaded by slime from their import paths:
 
@@ -68,29 +68,16 @@ from typing import Any, Callable
 
 import torch
 
-from april_slime import offpolicy, vcpo
-from april_slime.config import AprilConfig, AprilConfigError
+from april_slime.training import offpolicy
+from april_slime import settings, vcpo
+from april_slime.core.keys import METRIC_PREFIX, POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
+from april_slime.core.config import AprilConfig, AprilConfigError
 
-VERSIONS_KEY = "april_token_versions_rle"
-POLICY_VERSION_KEY = "april_policy_version"
 STALENESS_BUCKETS = ("stale0", "stale1", "stale2", "stale3+")
-PREFIX = "april/"
-
-_CONFIGS: dict[int, tuple[Any, AprilConfig]] = {}
-_MAX_CACHED_CONFIGS = 16
-
 
 def config_for(args: Any) -> AprilConfig:
-    """The validated settings of ``args``, built once per args object (slime passes the same one)."""
-    hit = _CONFIGS.get(id(args))
-    if hit is not None and hit[0] is args:
-        return hit[1]
-    config = AprilConfig.from_args(args)
-    config.check_against_slime(args)
-    if len(_CONFIGS) >= _MAX_CACHED_CONFIGS:
-        _CONFIGS.pop(next(iter(_CONFIGS)))
-    _CONFIGS[id(args)] = (args, config)
-    return config
+    """The job's settings (``april_slime.settings.for_job``)."""
+    return settings.for_job(args)
 
 
 # ------------------------------------------------------------------------------------ layout
@@ -201,10 +188,10 @@ def current_log_probs(args: Any, batch: dict, logits: torch.Tensor) -> tuple[lis
 # ------------------------------------------------------------------------------ versions
 def token_versions(batch: dict, response_lengths: list[int]) -> tuple[list[torch.Tensor | None], list[int | None]] | None:
     """Per-sample token versions (None where a sample has none) and reference versions, or None."""
-    runs = batch.get(VERSIONS_KEY)
+    runs = batch.get(TOKEN_VERSIONS_KEY)
     metadata = batch.get("metadata")
     if runs is None and metadata:
-        runs = [(m or {}).get(VERSIONS_KEY) for m in metadata]
+        runs = [(m or {}).get(TOKEN_VERSIONS_KEY) for m in metadata]
     if runs is None or all(r is None for r in runs):
         return None
     references = [(m or {}).get(POLICY_VERSION_KEY) for m in metadata] if metadata else [None] * len(runs)
@@ -216,7 +203,7 @@ def token_versions(batch: dict, response_lengths: list[int]) -> tuple[list[torch
         try:
             versions.append(offpolicy.expand_version_runs(r, int(n)))
         except ValueError as exc:
-            raise ValueError(f"sample {i}: {VERSIONS_KEY} does not match its response: {exc}") from exc
+            raise ValueError(f"sample {i}: {TOKEN_VERSIONS_KEY} does not match its response: {exc}") from exc
     return versions, references
 
 
@@ -406,7 +393,7 @@ def policy_loss(
     if versions is not None:
         local_metrics.update(_staleness_metrics(versions, packing, behaviour_ratio, to_local))
     for key, value in local_metrics.items():
-        metrics[PREFIX + key] = sum_of_sample_mean(value.to(local_log_probs.dtype))
+        metrics[METRIC_PREFIX + key] = sum_of_sample_mean(value.to(local_log_probs.dtype))
     return loss, {k: torch.as_tensor(v, device=logits.device).detach().clone().float() for k, v in metrics.items()}
 
 
@@ -581,10 +568,10 @@ def tis(
         "masked_frac": 1.0 - weights.keep,
         **_weight_metrics(packing, mask, sequence_log_weights),
     }
-    metrics = {PREFIX + k: to_local(v).detach().clone() for k, v in per_token.items()}
+    metrics = {METRIC_PREFIX + k: to_local(v).detach().clone() for k, v in per_token.items()}
     # train_metadata is what patches/slime-forward-train-metadata.patch passes to this hook
     versions = token_versions({"metadata": train_metadata}, [int(n) for n in response_lengths])
     if versions is not None:
         staleness = _staleness_metrics(versions, packing, behaviour_ratio, to_local)
-        metrics.update({PREFIX + k: v.detach().clone() for k, v in staleness.items()})
+        metrics.update({METRIC_PREFIX + k: v.detach().clone() for k, v in staleness.items()})
     return pg_loss, loss_masks, metrics

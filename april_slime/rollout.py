@@ -36,11 +36,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from april_slime import checkpoint
-from april_slime.buffer import PartialBuffer
-from april_slime.config import AprilConfig, AprilConfigError
-from april_slime.jsonfile import StateFileError, read_json, write_text_atomic
-from april_slime.types import Group, Trajectory, TrajectoryStatus
+from april_slime import settings
+from april_slime.core import checkpoint
+from april_slime.core.buffer import PartialBuffer
+from april_slime.core.config import AprilConfig, AprilConfigError
+from april_slime.core.keys import METRIC_PREFIX, POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
+from april_slime.core.jsonfile import StateFileError, read_json, write_text_atomic
+from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +55,6 @@ __all__ = [
     "shutdown",
 ]
 
-# Keys this module writes into ``Sample.train_metadata`` (reaches the loss once the train_metadata
-# patch is applied) and into ``Sample.metadata`` (rollout dumps and logs).
-TOKEN_VERSIONS_KEY = "april_token_versions_rle"  # [[policy version, token count], ...] of the response
-POLICY_VERSION_KEY = "april_policy_version"  # the policy version of the step the sample trained in
 
 _STATUS_TO_SLIME = {
     TrajectoryStatus.PENDING: "PENDING",
@@ -158,8 +156,7 @@ def load_config(args: Any) -> AprilConfig:
     Any problem raises ``AprilConfigError`` with one line naming the key, which stops the job at
     start (the data source is built when slime's rollout manager starts).
     """
-    config = AprilConfig.from_args(args)
-    config.check_against_slime(args)
+    config = settings.for_job(args)
     if getattr(args, "rollout_max_response_len", None) is None:
         raise AprilConfigError("rollout_max_response_len: must be set; it is the response budget that "
                                "partial rollouts are resumed against")
@@ -390,7 +387,7 @@ class AprilDataSource:
         self.policy_version: int | None = None
         # version saved by the checkpoint this job was restored from; consumed by the first step
         self.restored_policy_version: int | None = None
-        # rollout id -> state at the end of that rollout (the two latest; see april_slime.checkpoint)
+        # rollout id -> state at the end of that rollout (the two latest; see april_slime.core.checkpoint)
         self._snapshots: dict[int, checkpoint.Snapshot] = {}
 
     # ------------------------------------------------------------ PromptSource
@@ -429,7 +426,7 @@ class AprilDataSource:
         return len(self._prompts)
 
     # ------------------------------------------------------------ checkpoints
-    # The design (what is saved, when, which file wins, what a kill leaves) is april_slime.checkpoint's
+    # The design (what is saved, when, which file wins, what a kill leaves) is april_slime.core.checkpoint's
     # docstring.
     def _state_dir(self, base: str | None) -> Path | None:
         if self.config.buffer_dir:
@@ -548,7 +545,7 @@ class _Runtime:
     async def _connect(self) -> None:
         """(Re)discover the engines behind slime's router at each step, so engines that slime's
         fault tolerance restarted on new ports are picked up."""
-        from april_slime.engine import EngineClient
+        from april_slime.core.engine import EngineClient
 
         fresh = await EngineClient.from_router(
             self.router_url, timeout_s=self.config.request_timeout_s, max_retries=self.config.max_retries,
@@ -563,11 +560,11 @@ class _Runtime:
         self.scheduler = self._build_scheduler()
 
     def _build_scheduler(self):
-        from april_slime.scheduler import RolloutScheduler
+        from april_slime.core.scheduler import RolloutScheduler
 
         args = self.args
         if self.controller is None and self.config.adaptive_concurrency and self.config.policy == "copris":
-            from april_slime.adaptive import AdaptiveConcurrencyController
+            from april_slime.core.adaptive import AdaptiveConcurrencyController
 
             self.controller = AdaptiveConcurrencyController.from_config(
                 self.config, args.rollout_batch_size, args.n_samples_per_prompt)
@@ -666,8 +663,8 @@ class _Runtime:
         groups.sort(key=lambda g: g[0].index)
         metrics = dict(result.metrics)
         metrics.update({f"rollout/dynamic_filter/drop_{r}": c for r, c in self.filter_drops.items()})
-        metrics["april/policy_version"] = version
-        metrics["april/version_offset"] = self.version_offset
+        metrics[METRIC_PREFIX + "policy_version"] = version
+        metrics[METRIC_PREFIX + "version_offset"] = self.version_offset
         return groups, metrics
 
     async def close(self) -> None:

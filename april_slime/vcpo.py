@@ -15,7 +15,7 @@ Two independent controls of the variance of an importance-weighted policy gradie
   parameters' gradients while the hooks accumulate ``Q = sum_i R_i w_i grad(-log pi_i)`` in a side
   buffer; after the last micro-batch ``grad = Q - b P``. No second backward pass is run.
 
-The importance-weight and ESS formulas themselves belong to ``april_slime.offpolicy``
+The importance-weight and ESS formulas themselves belong to ``april_slime.training.offpolicy``
 (``EssStats``, ``sequence_log_weights``, ``correct_log_weights``, ``Packing``); this module applies
 them.
 
@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from april_slime import offpolicy
-from april_slime.config import AprilConfig, AprilConfigError
+from april_slime.training import offpolicy
+from april_slime import settings
+from april_slime.core.config import AprilConfig, AprilConfigError
 
 __all__ = [
     "EssLrScaler",
@@ -873,7 +874,7 @@ def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_sch
     """
     global _RUNTIME
     if _RUNTIME is None:
-        config = AprilConfig.from_args(args)
+        config = settings.for_job(args)
         check_settings(args, config)
         _RUNTIME = VcpoRuntime(config)
         if config.vcpo_baseline:

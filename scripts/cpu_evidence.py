@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Run the CPU off-policy evidence experiment (see docs/evidence.md and april_slime/experiments/evidence.py).
+"""Run the CPU off-policy evidence experiment (see docs/evidence.md and april_slime/workbench/experiments/evidence.py).
 
     .venv/bin/python scripts/cpu_evidence.py            # docs/evidence.png + .json
     .venv/bin/python scripts/cpu_evidence.py --lr 3e-3 --name evidence_stress
@@ -16,7 +16,7 @@ import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
-from april_slime.experiments import evidence
+from april_slime.workbench.experiments import evidence
 
 
 def _json_safe(value):

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from april_slime.offpolicy import Packing
+from april_slime.training.offpolicy import Packing
 from april_slime.vcpo import PerSampleGradNorms, finish_opob_step, opob_policy_loss
 
 

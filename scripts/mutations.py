@@ -133,7 +133,7 @@ MUTATIONS: list[Mutation] = [
         what="the scheduler appends a reply without its per-token version runs (every token gets the "
              "version reported at the end of the call)",
         edits=(Edit(
-            "april_slime/scheduler.py",
+            "april_slime/core/scheduler.py",
             "t.append(result.output_ids, result.logprobs, int(result.weight_version), result.version_runs)",
             "t.append(result.output_ids, result.logprobs, int(result.weight_version))",
         ),),
@@ -174,7 +174,7 @@ MUTATIONS: list[Mutation] = [
         name="copris-anchor-recomputed",
         what="copris anchors the ratio on the recomputed (old) log-probs instead of the rollout ones",
         edits=(Edit(
-            "april_slime/offpolicy.py",
+            "april_slime/training/offpolicy.py",
             'anchor = rollout if mode == "copris" else old_log_probs',
             "anchor = old_log_probs",
         ),),

@@ -2,9 +2,9 @@
 
 import pytest
 
-from april_slime.adaptive import AdaptiveConcurrencyController
-from april_slime.config import AprilConfig
-from april_slime.engine import EngineLoad
+from april_slime.core.adaptive import AdaptiveConcurrencyController
+from april_slime.core.config import AprilConfig
+from april_slime.core.engine import EngineLoad
 
 CAPACITY = 100_000
 

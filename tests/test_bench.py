@@ -7,11 +7,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from april_slime import bench
-from april_slime.bench import (ENGINE_PRESETS, Workload, apply_overrides,
+from april_slime.workbench import bench
+from april_slime.workbench.bench import (ENGINE_PRESETS, Workload, apply_overrides,
                                ideal_throughput, length_stats, plan, run_benchmark)
-from april_slime.cli import main as cli_main
-from april_slime.emulator import SyntheticLM
+from april_slime.workbench.cli import main as cli_main
+from april_slime.workbench.emulator import SyntheticLM
 
 REQUIRED = {"throughput_tokens_per_s": float, "utilization": float, "offpolicy_token_fraction": float,
             "max_staleness": int, "recomputed_tokens": int, "discarded_tokens": int}

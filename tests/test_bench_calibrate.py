@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from april_slime.bench import EngineSpec, Workload, run_benchmark
-from april_slime.bench.calibrate import engine_spec, main as calibrate_main, measure
-from april_slime.emulator import EmulatorCluster, EngineConfig, TimeModel
+from april_slime.workbench.bench import EngineSpec, Workload, run_benchmark
+from april_slime.workbench.bench.calibrate import engine_spec, main as calibrate_main, measure
+from april_slime.workbench.emulator import EmulatorCluster, EngineConfig, TimeModel
 
 # Slow steps (tens of milliseconds) so a busy machine's scheduling noise stays small next to them.
 TRUTH = TimeModel(decode_t0=0.03, decode_per_request=0.004, decode_per_kv_token=4e-6,

@@ -1,8 +1,8 @@
 """``april-slime bench`` command line: bad input names what is wrong; short runs say what they are."""
 
-from april_slime.bench import EngineSpec, Workload, apply_overrides
-from april_slime.bench.cli import main
-from april_slime.bench.spec import ENGINE_PRESETS
+from april_slime.workbench.bench import EngineSpec, Workload, apply_overrides
+from april_slime.workbench.bench.cli import main
+from april_slime.workbench.bench.spec import ENGINE_PRESETS
 
 import pytest
 

@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 
-from april_slime.bench.spec import ENGINE_PRESETS
-from april_slime.emulator import EngineConfig, SyntheticLM, TimeModel, run_virtual
-from april_slime.emulator.batching import EmulatedEngine, _Request
-from april_slime.emulator.model import SampleProfile
+from april_slime.workbench.bench.spec import ENGINE_PRESETS
+from april_slime.workbench.emulator import EngineConfig, SyntheticLM, TimeModel, run_virtual
+from april_slime.workbench.emulator.batching import EmulatedEngine, _Request
+from april_slime.workbench.emulator.model import SampleProfile
 
 NEVER_STOPS = SyntheticLM(seed=0)
 

@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from april_slime.bench import ENGINE_PRESETS, Workload
-from april_slime.bench.band import Variant, headline_variants, length_spec, run_band
-from april_slime.bench.reproduce import Row, Run, _published, format_rows, reproduce, rows
-from april_slime.bench.runner import StepRecord, detect_warmup
+from april_slime.workbench.bench import ENGINE_PRESETS, Workload
+from april_slime.workbench.bench.band import Variant, headline_variants, length_spec, run_band
+from april_slime.workbench.bench.reproduce import Row, Run, _published, format_rows, reproduce, rows
+from april_slime.workbench.bench.runner import StepRecord, detect_warmup
 
 
 def steps(buffer, age):

@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-from april_slime.buffer import PartialBuffer
-from april_slime.types import Group, Trajectory, TrajectoryStatus
+from april_slime.core.buffer import PartialBuffer
+from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 
 
 def make_group(uid: str, *, finished_lengths=(), partial=((0, 3),), created_version=0,
@@ -207,7 +207,7 @@ def test_load_state_validates_before_replacing():
 
 @pytest.mark.parametrize("text", ["", '{"format": 1, "groups": [', "[]", '{"format": 1}'])
 def test_loading_a_torn_or_wrong_file_names_it_and_keeps_the_buffer(tmp_path, text):
-    from april_slime.jsonfile import StateFileError
+    from april_slime.core.jsonfile import StateFileError
 
     path = tmp_path / "buffer.json"
     path.write_text(text)

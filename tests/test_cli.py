@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from april_slime import cli
+from april_slime.workbench import cli
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -94,7 +94,7 @@ def test_emulator_reports_an_engine_port_in_use(capsys):
 
 
 def test_emulator_still_serves_on_free_ports():
-    proc = subprocess.Popen([sys.executable, "-m", "april_slime.cli", "emulator", "--port", "0", "--engines", "2"],
+    proc = subprocess.Popen([sys.executable, "-m", "april_slime.workbench.cli", "emulator", "--port", "0", "--engines", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = [proc.stdout.readline() for _ in range(3)]

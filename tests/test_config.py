@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from april_slime.config import AprilConfig, AprilConfigError, settings_table_markdown
+from april_slime.core.config import AprilConfig, AprilConfigError, settings_table_markdown
 
 
 def test_defaults_are_valid():

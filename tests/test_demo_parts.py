@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from april_slime.demo import cli, task
-from april_slime.demo.loop import QUICK, DemoSettings
-from april_slime.demo.policy import PolicySpec, demonstration
-from april_slime.demo.trainer import group_advantages, sample_mean_reducer
+from april_slime.workbench.demo import cli, task
+from april_slime.workbench.demo.loop import QUICK, DemoSettings
+from april_slime.workbench.demo.policy import PolicySpec, demonstration
+from april_slime.workbench.demo.trainer import group_advantages, sample_mean_reducer
 
 
 def test_score_needs_exact_answer_and_stop():
@@ -97,6 +97,6 @@ def test_time_to_reward_is_the_first_evaluation_at_target():
 
 
 def test_cli_says_what_is_missing_without_the_real_stack(monkeypatch, capsys):
-    monkeypatch.setattr("april_slime.localstack.real_stack_missing", lambda: "SGLang is not installed (here)")
+    monkeypatch.setattr("april_slime.workbench.localstack.real_stack_missing", lambda: "SGLang is not installed (here)")
     assert cli.main(["--quick"]) == 2
     assert "needs the real-stack environment: SGLang is not installed (here)" in capsys.readouterr().err

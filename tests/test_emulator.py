@@ -12,12 +12,12 @@ import aiohttp
 import numpy as np
 import pytest
 
-from april_slime.emulator import (
+from april_slime.workbench.emulator import (
     EngineConfig, LengthModel, SyntheticLM, TimeModel, build_cluster, reference_tokens, run_virtual,
     start_cluster,
 )
-from april_slime.emulator.model import prompt_key
-from april_slime.engine import TransportHTTPError
+from april_slime.workbench.emulator.model import prompt_key
+from april_slime.core.engine import TransportHTTPError
 
 SHORT = LengthModel.preset("short")
 LONG = LengthModel(kind="max-length")
@@ -485,7 +485,7 @@ async def test_emulator_replies_like_sglang_0_5_23_field_by_field():
     SGLang 0.5.23 CPU engine (scripts/real-stack/record_golden.py): every field, its type, the
     finish reasons, error bodies word for word, empty abort bodies, queued-abort replies without
     prompt_tokens, weight_versions spans, /model_info's version after a weight update, 404s."""
-    from april_slime.emulator.testing import golden_differences, golden_replies
+    from april_slime.workbench.emulator.testing import golden_differences, golden_replies
 
     recorded = json.loads(GOLDEN.read_text())
     want = recorded["scenarios"]

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import pytest
 from aiohttp import web
 
-from april_slime.engine import (
+from april_slime.core.engine import (
     EngineClient,
     EngineError,
     EngineLoad,

@@ -17,7 +17,7 @@ from torch import nn
 
 from april_slime import loss as april_loss
 from april_slime import vcpo
-from april_slime.config import AprilConfigError
+from april_slime.core.config import AprilConfigError
 
 VOCAB, D, H = 11, 6, 8
 TEMPERATURE = 0.7

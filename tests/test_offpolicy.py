@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from april_slime import offpolicy as op
+from april_slime.training import offpolicy as op
 
 F64 = torch.float64
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from april_slime import offpolicy as op
+from april_slime.training import offpolicy as op
 
 WORLD = 2
 # rank 1 holds the dominant weight, so a rank-local ESS would differ from the global one

@@ -17,7 +17,7 @@ import yaml
 
 import slime_standin
 from april_slime import rollout
-from april_slime.config import AprilConfigError
+from april_slime.core.config import AprilConfigError
 
 RBS, N, MAX_LEN = 4, 3, 48
 
@@ -98,9 +98,9 @@ class Cluster:
     """Emulated SGLang engines + router over loopback HTTP, started on slime's persistent loop."""
 
     def __init__(self, num_engines: int = 2, seed: int = 7):
-        from april_slime.emulator.batching import EngineConfig
-        from april_slime.emulator.cluster import EmulatorCluster
-        from april_slime.emulator.model import LengthModel, SyntheticLM
+        from april_slime.workbench.emulator.batching import EngineConfig
+        from april_slime.workbench.emulator.cluster import EmulatorCluster
+        from april_slime.workbench.emulator.model import LengthModel, SyntheticLM
 
         # short, long-tailed responses (some run to the budget), emulated 20x faster than real time
         model = SyntheticLM(seed=seed, length=LengthModel(median_tokens=24.0, prompt_sigma=0.6,
@@ -403,7 +403,7 @@ def test_a_restart_from_n_loses_and_repeats_nothing(cluster, tmp_path, prompts, 
 
 
 def test_a_snapshot_does_not_follow_later_changes_to_the_buffer(slime_mode, tmp_path, prompts):
-    from april_slime.types import TrajectoryStatus
+    from april_slime.core.types import TrajectoryStatus
 
     args = make_args(tmp_path, prompts)
     source = rollout.AprilDataSource(args)

@@ -4,7 +4,7 @@ A worker process (on the slime stand-in here, on real slime's data source in
 ``tests/real/test_checkpoint_real.py``) runs rollout steps on ``AprilDataSource`` (prompts from slime's data source, the
 stand-in here; partial groups into the buffer) under slime's ``train.py`` order (generate N, save N)
 or ``train_async.py`` order (generate N+1 before save N), and is killed with SIGKILL at one named
-point of save K (``APRIL_SLIME_SAVE_KILL_AT``, see ``april_slime.checkpoint``). A second process
+point of save K (``APRIL_SLIME_SAVE_KILL_AT``, see ``april_slime.core.checkpoint``). A second process
 restarts from checkpoint K, or, when that checkpoint's state was not committed, is refused with one
 line naming the file and restarts from K-1, as the message says. The ledger then checks that every
 group handed out is trained exactly once or still buffered, and that the restored buffer is exactly
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from april_slime import checkpoint
+from april_slime.core import checkpoint
 
 TESTS = Path(__file__).resolve().parent
 KILLED_SAVE = 2  # checkpoint whose save is killed; checkpoints 0 and 1 complete before it
@@ -45,8 +45,9 @@ class _Patch:  # the monkeypatch slime_standin expects, in a process that never 
 cfg = json.loads(sys.argv[1])
 if slime_standin.install(_Patch(), force=cfg["slime"] == "standin") == "real":
     slime_standin.patch_real_tokenizer(_Patch())
-from april_slime import checkpoint, rollout
-from april_slime.types import TrajectoryStatus
+from april_slime.core import checkpoint
+from april_slime import rollout
+from april_slime.core.types import TrajectoryStatus
 
 args = SimpleNamespace(
     prompt_data=cfg["prompts"], input_key="prompt", label_key=None, rollout_global_dataset=True,
@@ -175,7 +176,7 @@ def test_sigkill_at_every_point_of_a_save_loses_and_repeats_nothing(tmp_path, pr
 
 
 def test_the_write_fsyncs_the_file_then_the_folder_after_the_rename(tmp_path, monkeypatch):
-    from april_slime import jsonfile
+    from april_slime.core import jsonfile
 
     synced = []
     real_fsync = os.fsync

@@ -8,14 +8,14 @@ import random
 
 import pytest
 
-from april_slime.buffer import PartialBuffer
-from april_slime.config import AprilConfig
-from april_slime.emulator.testing import start_cluster
-from april_slime.emulator.vclock import run_virtual
-from april_slime.engine import (EngineClient, EngineLoad, EngineUnavailable, GenerateResult, HttpTransport,
+from april_slime.core.buffer import PartialBuffer
+from april_slime.core.config import AprilConfig
+from april_slime.workbench.emulator.testing import start_cluster
+from april_slime.workbench.emulator.vclock import run_virtual
+from april_slime.core.engine import (EngineClient, EngineLoad, EngineUnavailable, GenerateResult, HttpTransport,
                                 RequestRejected)
-from april_slime.scheduler import PromptsExhausted, RolloutScheduler, RolloutStepError
-from april_slime.types import Group, Trajectory, TrajectoryStatus
+from april_slime.core.scheduler import PromptsExhausted, RolloutScheduler, RolloutStepError
+from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 
 PROMPT_LEN = 4
 

@@ -45,16 +45,17 @@ from types import SimpleNamespace
 import pytest
 
 import slime_standin
-from april_slime import checkpoint, rollout
-from april_slime.config import AprilConfig
-from april_slime.emulator.model import LengthModel, SyntheticLM
-from april_slime.emulator.testing import start_cluster
-from april_slime.emulator.vclock import run_virtual
-from april_slime.engine import EngineClient, HttpTransport, TransportHTTPError
-from april_slime.jsonfile import StateFileError
-from april_slime.scheduler import RolloutScheduler, RolloutStepError
-from april_slime.buffer import PartialBuffer
-from april_slime.types import Group, Trajectory, TrajectoryStatus
+from april_slime.core import checkpoint
+from april_slime import rollout
+from april_slime.core.config import AprilConfig
+from april_slime.workbench.emulator.model import LengthModel, SyntheticLM
+from april_slime.workbench.emulator.testing import start_cluster
+from april_slime.workbench.emulator.vclock import run_virtual
+from april_slime.core.engine import EngineClient, HttpTransport, TransportHTTPError
+from april_slime.core.jsonfile import StateFileError
+from april_slime.core.scheduler import RolloutScheduler, RolloutStepError
+from april_slime.core.buffer import PartialBuffer
+from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 
 SOAK_STEPS = int(os.environ.get("APRIL_SOAK_STEPS", "1000"))
 SEED = 20261123
@@ -68,7 +69,7 @@ FAULTS = ("http_5xx", "hang", "engine_kill", "wedged_engine", "malformed", "wron
 
 class Killed(BaseException):
     """A kill at a save point: derives from BaseException only, so nothing cleans up after it
-    (the disk is left exactly as a SIGKILL there leaves it, see april_slime.checkpoint)."""
+    (the disk is left exactly as a SIGKILL there leaves it, see april_slime.core.checkpoint)."""
 
 
 # ====================================================================== the faulty engines
@@ -527,7 +528,7 @@ class EngineProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "april_slime.emulator", "--port", str(self.port), "--engines", "1",
+            [sys.executable, "-m", "april_slime.workbench.emulator", "--port", str(self.port), "--engines", "1",
              "--seed", str(EMU_SEED), "--length-dist", "short", "--time-scale", "4"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2):  # "router URL" then "engine URL" once it serves

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from april_slime.types import Group, Trajectory, TrajectoryStatus
+from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 
 
 def make_trajectory() -> Trajectory:

@@ -9,8 +9,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from april_slime import vcpo
-from april_slime.config import AprilConfigError
-from april_slime.offpolicy import EssStats, Packing
+from april_slime.core.config import AprilConfigError
+from april_slime.training.offpolicy import EssStats, Packing
 from april_slime.vcpo import EssLrScaler, PerSampleGradNorms, finish_opob_step, opob_advantages, opob_policy_loss
 
 VOCAB, D, HEADS, FF = 23, 12, 2, 20
@@ -533,7 +533,7 @@ def test_launcher_vcpo_configuration_runs_the_baseline(mode):
                            entropy_coef=0.0, advantage_estimator="grpo", sequence_parallel=True,
                            tensor_model_parallel_size=2, pipeline_model_parallel_size=1, context_parallel_size=1,
                            use_rollout_logprobs=True)
-    from april_slime.config import AprilConfig
+    from april_slime.core.config import AprilConfig
 
     config = AprilConfig.from_args(args)
     assert config.vcpo_baseline and config.vcpo_lr_scaling

@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from april_slime import rollout
-from april_slime.localstack import SlimeRolloutManager, build_tiny_qwen3, local_stack, real_stack_missing, slime_args
+from april_slime.workbench.localstack import SlimeRolloutManager, build_tiny_qwen3, local_stack, real_stack_missing, slime_args
 
 POLICIES = ("sync", "april", "copris")
 

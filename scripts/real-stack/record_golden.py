@@ -18,8 +18,8 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from april_slime.emulator.testing import golden_replies
-from april_slime.localstack import LocalEngine, build_tiny_qwen3, real_stack_missing
+from april_slime.workbench.emulator.testing import golden_replies
+from april_slime.workbench.localstack import LocalEngine, build_tiny_qwen3, real_stack_missing
 
 OUT = Path(__file__).resolve().parents[2] / "tests" / "data" / "sglang-0.5.23-golden.json"
 

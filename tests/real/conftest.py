@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from april_slime.localstack import (  # noqa: F401  (SlimeRolloutManager: for the tests)
+from april_slime.workbench.localstack import (  # noqa: F401  (SlimeRolloutManager: for the tests)
     LocalStack, SlimeRolloutManager, build_tiny_qwen3, local_stack, real_stack_missing, slime_args,
 )
 

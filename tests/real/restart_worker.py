@@ -7,7 +7,7 @@ generate rollout k + 1 before saving checkpoint k. The process is killed with SI
 config says:
 
 - ``kill: "save"``: at the data-source save point ``point`` of checkpoint ``kill_save``
-  (``APRIL_SLIME_SAVE_KILL_AT``, see ``april_slime.checkpoint``);
+  (``APRIL_SLIME_SAVE_KILL_AT``, see ``april_slime.core.checkpoint``);
 - ``kill: "step"``: in the middle of rollout ``kill_save + 1``, from inside slime's reward path at
   the first reward of that rollout, while the rest of its requests are still on the engines (or,
   where that rollout needs no new reward, as it returns, before anything reaches the trainer).
@@ -54,8 +54,8 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     import conftest as real_tier  # registers itself as ``real_tier``, as under pytest
 
-    from april_slime import checkpoint
-    from april_slime.localstack import LocalStack
+    from april_slime.core import checkpoint
+    from april_slime.workbench.localstack import LocalStack
 
     stack = real_tier.RealStack(LocalStack(cfg["router_url"], cfg["engine_urls"], [], None),
                                 Path(cfg["model_path"]), Path(cfg["model_path"]))

@@ -8,8 +8,8 @@ real-engine comparison uses (``APRIL_CALIBRATE_OUT=path`` keeps it)."""
 import json
 import os
 
-from april_slime.bench import EngineSpec, Workload, run_benchmark
-from april_slime.bench.calibrate import compare, main as calibrate_main
+from april_slime.workbench.bench import EngineSpec, Workload, run_benchmark
+from april_slime.workbench.bench.calibrate import compare, main as calibrate_main
 
 from real_tier import MAX_TOTAL_TOKENS
 

@@ -30,7 +30,7 @@ import test_rollout_slime as base  # noqa: E402
 import test_save_kill  # noqa: E402
 
 from april_slime import rollout  # noqa: E402
-from april_slime.config import AprilConfigError, check_keys  # noqa: E402
+from april_slime.core.config import AprilConfigError, check_keys  # noqa: E402
 
 
 @pytest.fixture
@@ -106,8 +106,8 @@ def test_sigkill_on_real_engines_then_restart_loses_and_repeats_nothing(real_sta
     asking for it is refused naming the file, and the job resumes from checkpoint 0, the last
     complete one. Ledger across the restart: every prompt group is delivered to the trainer
     exactly once or is still buffered, none is lost, and the restored buffer is checkpoint 0's."""
-    from april_slime import checkpoint
-    from april_slime.jsonfile import StateFileError
+    from april_slime.core import checkpoint
+    from april_slime.core.jsonfile import StateFileError
     from real_tier import SlimeRolloutManager, plugin_args
 
     job = tmp_path / "job"

@@ -17,7 +17,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    from april_slime.demo import cli
+    from april_slime.workbench.demo import cli
 
     root = tmp_path_factory.mktemp("demo")
     out_json, out_png = root / "demo.json", root / "demo.png"

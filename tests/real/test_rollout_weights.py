@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from april_slime import rollout
-from april_slime.engine import EngineClient
+from april_slime.core.engine import EngineClient
 from real_tier import (Placement, SlimeRolloutManager, continue_generation, engine_loads, http_json, load_weights,
                        pause_in_place, plugin_args, post_ok, prompt_token_bound, version_spans, wait_for_progress)
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from april_slime.offpolicy import Packing
+from april_slime.training.offpolicy import Packing
 from april_slime.vcpo import PerSampleGradNorms, opob_policy_loss
 
 VOCAB, D, H = 16, 8, 12

@@ -64,7 +64,7 @@ def _run(preset: str, workload: Workload, policy: str, **kw: Any) -> Run:
 
 
 def _published() -> dict[str, dict[str, Any]]:
-    text = resources.files("april_slime.bench").joinpath("data/published.json").read_text("utf-8")
+    text = resources.files("april_slime.workbench.bench").joinpath("data/published.json").read_text("utf-8")
     return {r["name"]: r for r in json.loads(text)["rows"]}
 
 

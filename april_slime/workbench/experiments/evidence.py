@@ -11,7 +11,7 @@ is deliberately stale, the way an asynchronous partial-rollout system makes it:
 
 Every method trains the same warm-started model on the same prompts with the same seeds; they differ
 only in how the policy-gradient loss treats the behaviour log-probs, and all of that logic comes from
-the package (``april_slime.offpolicy``, ``april_slime.loss``, ``april_slime.vcpo``). This module owns
+the package (``april_slime.training.offpolicy``, ``april_slime.loss``, ``april_slime.vcpo``). This module owns
 the toy task, the model, the stale-rollout pipeline and the bookkeeping; it does not reimplement any
 importance-sampling, ESS or baseline formula.
 
@@ -31,7 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from april_slime import offpolicy, vcpo
+from april_slime.training import offpolicy
+from april_slime import vcpo
 
 SEPARATOR = 10  # token between the digits of the prompt and the answer
 VOCAB_SIZE = 11  # digits 0-9 and the separator

@@ -27,9 +27,9 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from april_slime.config import RESUME_PRIORITIES, STALE_ACTIONS
-from april_slime.jsonfile import StateFileError, read_json, write_json_atomic
-from april_slime.types import Group, TrajectoryStatus
+from april_slime.core.config import RESUME_PRIORITIES, STALE_ACTIONS
+from april_slime.core.jsonfile import StateFileError, read_json, write_json_atomic
+from april_slime.core.types import Group, TrajectoryStatus
 
 STATE_FORMAT = 1
 _COUNTERS = ("restarted_groups", "restarted_tokens", "dropped_groups", "dropped_trajectories",

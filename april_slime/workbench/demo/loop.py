@@ -6,7 +6,7 @@ One step, for each rollout policy (sync, april, copris):
    slime's ``--rollout-function-path`` / ``--data-source-path`` with slime's ``load_function`` and
    called through slime's ``call_rollout_fn`` as its ``RolloutManager`` does (``args`` from slime's
    own argument parser), against SGLang CPU engines behind sglang-router. Prompts come from slime's ``RolloutDataSource`` (a JSONL file), rewards
-   from slime's reward path (``custom_rm_path`` -> ``april_slime.demo.task.reward``); april and
+   from slime's reward path (``custom_rm_path`` -> ``april_slime.workbench.demo.task.reward``); april and
    copris abort at target and buffer the partials, which later steps resume first;
 2. train: one rollout batch through ``april_slime.loss.policy_loss`` on a transformers copy of the
    policy (``trainer.PolicyTrainer``);
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from april_slime.demo import task
-from april_slime.demo.policy import PolicySpec
+from april_slime.workbench.demo import task
+from april_slime.workbench.demo.policy import PolicySpec
 
 POLICIES = ("sync", "april", "copris")
 
@@ -110,7 +110,7 @@ def slime_args(settings: DemoSettings, policy: str, *, checkpoint: Path, prompts
         "--rollout-temperature", str(settings.temperature),
         "--sglang-router-ip", host, "--sglang-router-port", port,
         # reward: slime's reward path with the task's reward function
-        "--custom-rm-path", "april_slime.demo.task.reward",
+        "--custom-rm-path", "april_slime.workbench.demo.task.reward",
         # loss: the plugin's policy loss, as a slime job selects it
         "--loss-type", "custom_loss", "--custom-loss-function-path", "april_slime.loss.policy_loss",
         "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
@@ -193,7 +193,7 @@ def run_policy(policy: str, settings: DemoSettings, *, checkpoint: Path, prompts
     from transformers import AutoTokenizer
 
     from april_slime import rollout, vcpo
-    from april_slime.demo.trainer import PolicyTrainer
+    from april_slime.workbench.demo.trainer import PolicyTrainer
 
     torch.manual_seed(settings.seed)
     vcpo.reset_runtime()  # rho_on is measured afresh on each policy's first (on-policy) step
@@ -278,8 +278,8 @@ def run_demo(settings: DemoSettings, *, cache_dir: Path, workdir: Path,
     """Build (or reuse) the warm-started policy, start the engines and router, run every policy."""
     from transformers.utils import logging as hf_logging
 
-    from april_slime.demo.policy import build_policy
-    from april_slime.localstack import local_stack
+    from april_slime.workbench.demo.policy import build_policy
+    from april_slime.workbench.localstack import local_stack
 
     hf_logging.disable_progress_bar()  # a save and a load per step: their bars would bury the progress lines
     started = time.perf_counter()

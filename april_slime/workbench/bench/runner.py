@@ -11,13 +11,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from april_slime.adaptive import AdaptiveConcurrencyController
-from april_slime.buffer import PartialBuffer
-from april_slime.config import AprilConfig
-from april_slime.emulator import EmulatorCluster, SyntheticLM, run_virtual
-from april_slime.engine import EngineClient, HttpTransport
-from april_slime.scheduler import RolloutScheduler
-from april_slime.types import Group
+from april_slime.core.adaptive import AdaptiveConcurrencyController
+from april_slime.core.buffer import PartialBuffer
+from april_slime.core.config import AprilConfig
+from april_slime.workbench.emulator import EmulatorCluster, SyntheticLM, run_virtual
+from april_slime.core.engine import EngineClient, HttpTransport
+from april_slime.core.scheduler import RolloutScheduler
+from april_slime.core.types import Group
 
 from .spec import EngineSpec
 from .workloads import (MODES, LengthStats, SyntheticPrompts, Workload, ideal_throughput,

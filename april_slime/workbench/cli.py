@@ -12,32 +12,32 @@ def _settings(argv: list[str]) -> int:
         prog="april-slime settings",
         description="Print every plugin setting (april_* keys) as a Markdown table.")
     parser.parse_args(argv)
-    from april_slime.config import settings_table_markdown
+    from april_slime.core.config import settings_table_markdown
 
     print(settings_table_markdown())
     return 0
 
 
 def _emulator(argv: list[str]) -> int:
-    from april_slime.emulator.__main__ import main as emulator_main
+    from april_slime.workbench.emulator.__main__ import main as emulator_main
 
     return emulator_main(argv, prog="april-slime emulator")
 
 
 def _bench(argv: list[str]) -> int:
-    from april_slime.bench import main as bench_main
+    from april_slime.workbench.bench import main as bench_main
 
     return int(bench_main(argv) or 0)
 
 
 def _calibrate(argv: list[str]) -> int:
-    from april_slime.bench.calibrate import main as calibrate_main
+    from april_slime.workbench.bench.calibrate import main as calibrate_main
 
     return int(calibrate_main(argv) or 0)
 
 
 def _demo(argv: list[str]) -> int:
-    from april_slime.demo.cli import main as demo_main
+    from april_slime.workbench.demo.cli import main as demo_main
 
     return int(demo_main(argv) or 0)
 

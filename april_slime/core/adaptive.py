@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:  # imported for annotations only: the controller reads loads by attribute
-    from april_slime.config import AprilConfig
-    from april_slime.engine import EngineLoad
+    from april_slime.core.config import AprilConfig
+    from april_slime.core.engine import EngineLoad
 
 
 @dataclass

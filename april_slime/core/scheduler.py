@@ -91,15 +91,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable, Protocol
 
-from april_slime.buffer import PartialBuffer
-from april_slime.config import AprilConfig
-from april_slime.engine import (EngineClient, EngineError, EngineLoad, EngineReplyError, GenerateResult,
+from april_slime.core.buffer import PartialBuffer
+from april_slime.core.config import AprilConfig
+from april_slime.core.engine import (EngineClient, EngineError, EngineLoad, EngineReplyError, GenerateResult,
                                 RequestRejected)
-from april_slime.types import Group, Trajectory, TrajectoryStatus
+from april_slime.core.keys import METRIC_PREFIX
+from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
 
-METRIC_PREFIX = "april/"
 
 # reasons a group is discarded, as they appear in StepResult.dropped / RolloutScheduler.last_dropped
 DROP_FILTERED = "filtered"

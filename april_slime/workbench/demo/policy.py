@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from april_slime.demo import task
+from april_slime.workbench.demo import task
 
 # Bump when the build below changes in a way the settings do not capture.
 BUILD_FORMAT = 1
@@ -128,7 +128,7 @@ def build_policy(cache_dir: str | Path, spec: PolicySpec, log: Callable[[str], N
     import torch
     from transformers import AutoModelForCausalLM
 
-    from april_slime.localstack import build_tiny_qwen3
+    from april_slime.workbench.localstack import build_tiny_qwen3
 
     cache_dir = Path(cache_dir)
     out = cache_dir / f"policy-{spec.key()}"

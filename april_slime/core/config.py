@@ -26,7 +26,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-PREFIX = "april_"
+from april_slime.core.keys import SETTING_PREFIX
+
 
 POLICIES = ("sync", "april", "copris")
 STALE_ACTIONS = ("restart", "drop")
@@ -171,7 +172,7 @@ class AprilConfig:
         check_keys([k for k in _attributes(args) if _looks_prefixed(k)], yaml_keys)
         values = {}
         for f in fields(cls):
-            key = PREFIX + f.name
+            key = SETTING_PREFIX + f.name
             value = getattr(args, key, None)
             if value is not None:
                 values[f.name] = value
@@ -185,9 +186,9 @@ class AprilConfig:
         known = {f.name: f for f in fields(cls)}
         kwargs = {}
         for key, value in values.items():
-            name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+            name = key[len(SETTING_PREFIX):] if key.startswith(SETTING_PREFIX) else key
             if name not in known:
-                raise AprilConfigError(f"{PREFIX}{name}: unknown setting; {_closest(PREFIX + name)}")
+                raise AprilConfigError(f"{SETTING_PREFIX}{name}: unknown setting; {_closest(SETTING_PREFIX + name)}")
             kwargs[name] = _coerce(name, known[name], value)
         config = cls(**kwargs)
         config.validate()
@@ -195,7 +196,7 @@ class AprilConfig:
 
     def to_dict(self, prefixed: bool = False) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        return {PREFIX + k: v for k, v in out.items()} if prefixed else out
+        return {SETTING_PREFIX + k: v for k, v in out.items()} if prefixed else out
 
     def validate(self) -> None:
         _choice("policy", self.policy, POLICIES)
@@ -274,12 +275,12 @@ class AprilConfig:
 
 
 def _fail(name: str, reason: str) -> None:
-    raise AprilConfigError(f"{PREFIX}{name}: {reason}")
+    raise AprilConfigError(f"{SETTING_PREFIX}{name}: {reason}")
 
 
 # ---------------------------------------------------------------------------- misspelled keys
 def setting_keys() -> list[str]:
-    return [PREFIX + f.name for f in fields(AprilConfig)]
+    return [SETTING_PREFIX + f.name for f in fields(AprilConfig)]
 
 
 def _attributes(args: Any) -> list[str]:
@@ -294,7 +295,7 @@ def _normalized(key: str) -> str:
 
 
 def _looks_prefixed(key: str) -> bool:
-    return _normalized(key).startswith(PREFIX)
+    return _normalized(key).startswith(SETTING_PREFIX)
 
 
 def _closest(key: str) -> str:
@@ -323,7 +324,7 @@ def custom_config_keys(args: Any) -> set[str]:
 def check_keys(prefixed_attributes: list[str], yaml_keys: set[str] | list[str] = ()) -> None:
     """Stop at the first key that looks meant for this plugin but is not one of its settings."""
     valid = set(setting_keys())
-    unprefixed = {k[len(PREFIX):] for k in valid}
+    unprefixed = {k[len(SETTING_PREFIX):] for k in valid}
     for key in sorted(prefixed_attributes):
         if key not in valid:
             raise AprilConfigError(f"{key}: unknown setting; {_closest(key)}")
@@ -331,14 +332,14 @@ def check_keys(prefixed_attributes: list[str], yaml_keys: set[str] | list[str] =
         if key in valid:
             continue
         norm = _normalized(key)
-        if norm in valid or norm.startswith(PREFIX):
+        if norm in valid or norm.startswith(SETTING_PREFIX):
             raise AprilConfigError(f"{key}: unknown setting; {_closest(norm)}")
         if norm in unprefixed:
-            raise AprilConfigError(f"{key}: plugin settings take the {PREFIX} prefix; "
-                                   f"closest valid name: {PREFIX}{norm}")
+            raise AprilConfigError(f"{key}: plugin settings take the {SETTING_PREFIX} prefix; "
+                                   f"closest valid name: {SETTING_PREFIX}{norm}")
         near = difflib.get_close_matches(norm, sorted(valid | unprefixed), n=1, cutoff=NEAR_MISS_CUTOFF)
         if near:
-            name = near[0] if near[0].startswith(PREFIX) else PREFIX + near[0]
+            name = near[0] if near[0].startswith(SETTING_PREFIX) else SETTING_PREFIX + near[0]
             raise AprilConfigError(f"{key}: not a setting, but close to one; closest valid name: {name}")
 
 
@@ -393,5 +394,5 @@ def settings_table_markdown() -> str:
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
     for f in fields(AprilConfig):
         default = f.default if f.default is not dataclasses.MISSING else None
-        rows.append(f"| `{PREFIX}{f.name}` | `{default}` | {f.metadata.get('help', '')} |")
+        rows.append(f"| `{SETTING_PREFIX}{f.name}` | `{default}` | {f.metadata.get('help', '')} |")
     return "\n".join(rows)

@@ -72,7 +72,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from april_slime.jsonfile import StateFileError, fsync_dir, fsync_file, remove_stale_tmp
+from april_slime.core.jsonfile import StateFileError, fsync_dir, fsync_file, remove_stale_tmp
 
 STATE_FORMAT = 2
 READABLE_FORMATS = (1, 2)

@@ -6,7 +6,7 @@ import asyncio
 import json
 from typing import Any
 
-from april_slime.engine import TransportHTTPError
+from april_slime.core.engine import TransportHTTPError
 
 from .batching import EmulatedEngine, EngineConfig
 from .model import SyntheticLM

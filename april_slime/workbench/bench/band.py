@@ -15,7 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from april_slime.emulator import LengthModel
+from april_slime.workbench.emulator import LengthModel
 
 from .runner import run_benchmark
 from .spec import EngineSpec

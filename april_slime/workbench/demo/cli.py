@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from april_slime.demo.loop import FULL, POLICIES, QUICK
+from april_slime.workbench.demo.loop import FULL, POLICIES, QUICK
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.plot and importlib.util.find_spec("matplotlib") is None:
         print("april-slime demo: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
-    from april_slime.localstack import real_stack_missing
+    from april_slime.workbench.localstack import real_stack_missing
 
     missing = real_stack_missing()
     if missing:
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from april_slime.demo.loop import run_demo
-    from april_slime.jsonfile import write_json_atomic
+    from april_slime.workbench.demo.loop import run_demo
+    from april_slime.core.jsonfile import write_json_atomic
 
     torch.set_num_threads(ns.threads)
     # the engines run in their own process groups: a plain SIGTERM must unwind through the
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json_atomic(ns.json, result)
         log(f"wrote {ns.json}")
     if ns.plot:
-        from april_slime.demo.plot import plot
+        from april_slime.workbench.demo.plot import plot
 
         plot(result, ns.plot)
         log(f"wrote {ns.plot}")
