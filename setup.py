@@ -20,7 +20,7 @@ setup(
     install_requires=["aiohttp>=3.9", "numpy>=1.24", "pyyaml>=6.0"],
     extras_require={
         "bench": ["matplotlib>=3.7", "tqdm>=4.60"],
-        "test": ["pytest>=7.4", "pytest-asyncio>=0.23", "matplotlib>=3.7", "tqdm>=4.60"],
+        "test": ["pytest>=7.4", "pytest-asyncio>=0.23", "matplotlib>=3.7", "tqdm>=4.60", "ruff==0.17.6"],
     },
     entry_points={"console_scripts": ["april-slime=april_slime.workbench.cli:main"]},
 )

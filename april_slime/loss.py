@@ -16,9 +16,12 @@ Settings come from ``AprilConfig.from_args(args)`` (``april_is_mode``, ``april_i
 
 Layout. slime hands the loss per-sample lists. With context parallelism (CP) the log-probs,
 advantages and rollout log-probs are CP-local slices while ``loss_masks`` cover the whole response.
-Sequence-level quantities need whole responses, so the hooks gather every sample with slime's own
-CP helpers, compute on whole responses, and slice the per-token results back to the local layout
-that slime's ``sum_of_sample_mean`` expects. Without CP (or without slime) both layouts coincide.
+Sequence-level quantities need whole responses, so both hooks start with the same packing step
+(``read_samples``): it gathers every sample with slime's own CP helpers and packs the whole
+responses once (``april_slime.training.packed.PackedSamples``) into a ``SlimeMicrobatch``. Data then
+flows one way: batch -> packed samples -> off-policy math (``april_slime.training.offpolicy``) ->
+loss and metrics, the per-token results sliced back to the local layout that slime's
+``sum_of_sample_mean`` expects. Without CP (or without slime) both layouts coincide.
 
 Metrics. slime sums every metric over micro-batches and data-parallel ranks and divides by the
 step's sample count (or token count with ``--calculate-per-token-loss``), so each metric here is a
@@ -45,11 +48,12 @@ before-train-step hook, which creates the job's ``vcpo.runtime()``):
   ``sum_t m_t (log pi_theta - log pi_rollout)`` (pi_theta = the policy of this forward, in every
   mode) to the step's ESS statistics; the optimizer step reduces them across ranks and scales the
   learning rate. Nothing else in the loss changes.
-* ``april_vcpo_baseline``: the policy-gradient term is ``vcpo.opob_policy_loss`` (sequence-level
+* ``april_vcpo_baseline``: the policy-gradient term is ``opob_policy_loss`` (sequence-level
   corrected weight times the summed response NLL, a plain sum over samples that slime's loss
   scaling turns into the step mean), with the off-policy optimal baseline applied to the
-  gradients after the last micro-batch. Defined for ``april_is_mode: copris`` with
-  ``april_is_level: sequence`` only; ``vcpo.check_settings`` refuses everything else. The metrics
+  gradients after the last micro-batch (``april_slime.training.baseline``). Defined for
+  ``april_is_mode: copris`` with ``april_is_level: sequence`` only; ``vcpo.check_settings`` refuses
+  everything else. The metrics
   keep their keys (``april/ratio_*`` is then the unclipped sequence ratio, ``pg_clipfrac`` 0).
 
 The TIS hook refuses both VCPO settings: it only sees the recomputed log-probs.
@@ -64,16 +68,21 @@ versions the staleness metrics are left out; the loss itself never depends on th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from april_slime.training import offpolicy
 from april_slime import settings, vcpo
-from april_slime.core.keys import METRIC_PREFIX, POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
 from april_slime.core.config import AprilConfig, AprilConfigError
+from april_slime.core.keys import METRIC_PREFIX, POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
+from april_slime.training import offpolicy
+from april_slime.training.baseline import OpobResult, opob_policy_loss
+from april_slime.training.packed import PackedSamples, concat_samples, response_log_probs_from_logits
 
 STALENESS_BUCKETS = ("stale0", "stale1", "stale2", "stale3+")
+TokenVersions = tuple[list[torch.Tensor | None], list[int | None]]  # per-sample versions, reference versions
+
 
 def config_for(args: Any) -> AprilConfig:
     """The job's settings (``april_slime.settings.for_job``)."""
@@ -121,43 +130,6 @@ class _Layout:
 
 
 # ------------------------------------------------------------------------------ log-probs
-def response_log_probs_from_logits(
-    logits: torch.Tensor,
-    unconcat_tokens: list[torch.Tensor],
-    total_lengths: list[int],
-    response_lengths: list[int],
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-sample response log-probs (and entropies) from packed logits ``[1, T, V]``, plain torch.
-
-    The position that predicts token j is j - 1, and logits are divided by the rollout temperature
-    first, as the engines sampled from softmax(logits / temperature). Used where slime is not
-    importable (tests, CPU); without tensor or context parallelism it gives the same numbers as
-    slime's ``get_log_probs_and_entropy``.
-    """
-    if logits.dim() != 3 or logits.size(0) != 1:
-        raise ValueError(f"expected logits of shape [1, T, V], got {tuple(logits.shape)}")
-    scaled = logits[0] / temperature if temperature != 1.0 else logits[0]
-    log_probs, entropies = [], []
-    end = 0
-    for tokens, total, response in zip(unconcat_tokens, total_lengths, response_lengths, strict=True):
-        total, response = int(total), int(response)
-        if response > 0 and total - response < 1:
-            raise ValueError("every sample needs at least one prompt token before its response")
-        end += total
-        if end - 1 > scaled.size(0):
-            raise ValueError(f"samples cover {end} positions but the logits have {scaled.size(0)}")
-        start = end - response
-        chunk = scaled[start - 1:end - 1] if response > 0 else scaled[:0]
-        targets = tokens[total - response:total].to(device=chunk.device, dtype=torch.long)
-        log_softmax = torch.log_softmax(chunk, dim=-1)
-        log_probs.append(log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
-        if with_entropy:
-            entropies.append(-(log_softmax.exp() * log_softmax).sum(-1))
-    return log_probs, entropies
-
-
 def _slime_log_prob_helpers():
     """slime's TP/CP-aware helpers when running inside a slime trainer, else None."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -186,7 +158,7 @@ def current_log_probs(args: Any, batch: dict, logits: torch.Tensor) -> tuple[lis
 
 
 # ------------------------------------------------------------------------------ versions
-def token_versions(batch: dict, response_lengths: list[int]) -> tuple[list[torch.Tensor | None], list[int | None]] | None:
+def token_versions(batch: dict, response_lengths: list[int]) -> TokenVersions | None:
     """Per-sample token versions (None where a sample has none) and reference versions, or None."""
     runs = batch.get(TOKEN_VERSIONS_KEY)
     metadata = batch.get("metadata")
@@ -208,7 +180,7 @@ def token_versions(batch: dict, response_lengths: list[int]) -> tuple[list[torch
 
 
 def _staleness_metrics(
-    versions: tuple[list[torch.Tensor | None], list[int | None]],
+    versions: TokenVersions,
     packing: offpolicy.Packing,
     behaviour_ratio: torch.Tensor,
     to_local: Callable[[torch.Tensor], torch.Tensor],
@@ -222,7 +194,8 @@ def _staleness_metrics(
                      ) if lengths else torch.zeros(0, dtype=torch.long)
     newest = int(flat[known].max()) if bool(known.any()) else 0
     reference = torch.cat([torch.full((n,), newest if ref is None else int(ref), dtype=torch.long)
-                           for ref, n in zip(references, lengths, strict=True)]) if lengths else torch.zeros(0, dtype=torch.long)
+                           for ref, n in zip(references, lengths, strict=True)]
+                          ) if lengths else torch.zeros(0, dtype=torch.long)
     staleness = (reference - flat).clamp_min(0).to(device)
     known = known.to(device)
     bucket = offpolicy.staleness_buckets(staleness, len(STALENESS_BUCKETS))
@@ -253,24 +226,93 @@ def _weight_metrics(
     }
 
 
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(list(tensors)) if tensors else torch.zeros(0)
+# --------------------------------------------------------------------------- packing step
+@dataclass(frozen=True)
+class SlimeMicrobatch:
+    """One micro-batch as a loss hook receives it from slime, read once.
 
-
-def check_sample_lengths(response_lengths: list[int], **named: list[torch.Tensor] | None) -> None:
-    """Every per-sample tensor must cover its sample's response exactly (whole-response layout).
-
-    A total-only check lets one sample that is a token short and another a token long through,
-    and the loss then pairs every later token with its neighbour's log-probs.
+    ``whole`` holds every sample's whole response, packed, for the off-policy math. The lists are
+    the per-sample tensors as slime hands them (CP-local slices under context parallelism, except
+    ``loss_masks``, which cover whole responses), for the terms slime's reducer takes as they are;
+    ``layout`` slices per-token results of the whole responses back to that local layout.
     """
-    for name, tensors in named.items():
-        if tensors is None:
-            continue
-        if len(tensors) != len(response_lengths):
-            raise ValueError(f"{name}: {len(tensors)} samples in the micro-batch, expected {len(response_lengths)}")
-        for i, (x, n) in enumerate(zip(tensors, response_lengths)):
-            if x.dim() != 1 or x.numel() != n:
-                raise ValueError(f"sample {i}: {name} has shape {tuple(x.shape)} but its response has {n} tokens")
+
+    layout: _Layout
+    whole: PackedSamples
+    loss_masks: list[torch.Tensor]
+    old_log_probs: list[torch.Tensor]
+    log_probs: list[torch.Tensor] | None = None  # the current policy (with grad); None in the TIS hook
+    entropy: list[torch.Tensor] | None = None
+    rollout_log_probs: list[torch.Tensor] | None = None
+    advantages: list[torch.Tensor] | None = None
+    ref_log_probs: list[torch.Tensor] | None = None
+    total_lengths: list[int] | None = None
+    versions: TokenVersions | None = None  # per-token policy versions (``token_versions``)
+
+    @property
+    def packing(self) -> offpolicy.Packing:
+        return self.whole.packing
+
+    def to_local(self, x: torch.Tensor) -> torch.Tensor:
+        """A flat whole-response tensor -> the flat CP-local tensor slime's reducer expects."""
+        return self.layout.to_local(x, self.whole.packing)
+
+
+def read_samples(
+    response_lengths: list[int],
+    total_lengths: list[int] | None,
+    *,
+    loss_masks: list[torch.Tensor],
+    old_log_probs: list[torch.Tensor],
+    old_name: str,
+    log_probs: list[torch.Tensor] | None = None,
+    entropy: list[torch.Tensor] | None = None,
+    rollout_log_probs: list[torch.Tensor] | None = None,
+    advantages: list[torch.Tensor] | None = None,
+    ref_log_probs: list[torch.Tensor] | None = None,
+    versions: TokenVersions | None = None,
+) -> SlimeMicrobatch:
+    """The packing step both hooks share: gather the CP-local per-sample tensors into whole
+    responses (a collective over the CP group, in the same order on every rank), check them
+    against the response lengths and pack them once. ``old_name`` names ``old_log_probs`` in
+    errors as the hook's input calls them."""
+    layout = _Layout(total_lengths, response_lengths)
+    whole = PackedSamples.pack(
+        layout.response_lengths,
+        loss_masks=list(loss_masks),
+        log_probs=layout.gather(log_probs) if log_probs is not None else None,
+        old_log_probs=layout.gather(old_log_probs),
+        advantages=layout.gather(advantages) if advantages is not None else None,
+        rollout_log_probs=layout.gather(rollout_log_probs) if rollout_log_probs is not None else None,
+        old_name=old_name,
+    )
+    return SlimeMicrobatch(
+        layout=layout, whole=whole, loss_masks=loss_masks, old_log_probs=old_log_probs, log_probs=log_probs,
+        entropy=entropy, rollout_log_probs=rollout_log_probs, advantages=advantages, ref_log_probs=ref_log_probs,
+        total_lengths=total_lengths, versions=versions)
+
+
+def read_batch(args: Any, config: AprilConfig, batch: dict, logits: torch.Tensor) -> SlimeMicrobatch:
+    """``policy_loss``'s reading of slime's batch: the current log-probs and entropies from
+    ``logits``, the recomputed and rollout log-probs the mode needs, then ``read_samples``."""
+    response_lengths = [int(n) for n in batch["response_lengths"]]
+    log_probs, entropy = current_log_probs(args, batch, logits)
+    old_log_probs = batch.get("log_probs") or None
+    rollout_log_probs = batch.get("rollout_log_probs") or None
+    if config.is_mode != "on_policy" and rollout_log_probs is None:
+        raise AprilConfigError(f"april_is_mode: {config.is_mode} needs rollout log-probs in the batch; the rollout "
+                               "must return them (SGLang return_logprob) for every response token")
+    if old_log_probs is None:
+        if config.is_mode == "decoupled":
+            raise AprilConfigError("april_is_mode: decoupled needs the recomputed proximal log-probs; drop "
+                                   "--use-rollout-logprobs")
+        old_log_probs = [lp.detach() for lp in log_probs]
+    return read_samples(
+        response_lengths, batch.get("total_lengths"), loss_masks=batch["loss_masks"], old_log_probs=old_log_probs,
+        old_name="log_probs", log_probs=log_probs, entropy=entropy, rollout_log_probs=rollout_log_probs,
+        advantages=batch["advantages"],
+        ref_log_probs=batch["ref_log_probs"] if getattr(args, "use_kl_loss", False) else None,
+        versions=token_versions(batch, response_lengths))
 
 
 # ---------------------------------------------------------------------------- custom loss
@@ -295,63 +337,33 @@ def policy_loss(
         raise AprilConfigError("april_is_mode: --use-opsm is not supported by the custom loss")
     loss_level = "sequence" if getattr(args, "advantage_estimator", None) == "gspo" else config.loss_level
 
-    response_lengths = [int(n) for n in batch["response_lengths"]]
-    layout = _Layout(batch.get("total_lengths"), response_lengths)
-    log_probs, entropy = current_log_probs(args, batch, logits)
-
-    old_log_probs = batch.get("log_probs") or None
-    rollout_log_probs = batch.get("rollout_log_probs") or None
-    if config.is_mode != "on_policy" and rollout_log_probs is None:
-        raise AprilConfigError(f"april_is_mode: {config.is_mode} needs rollout log-probs in the batch; the rollout "
-                               "must return them (SGLang return_logprob) for every response token")
-    if old_log_probs is None:
-        if config.is_mode == "decoupled":
-            raise AprilConfigError("april_is_mode: decoupled needs the recomputed proximal log-probs; drop "
-                                   "--use-rollout-logprobs")
-        old_log_probs = [lp.detach() for lp in log_probs]
-
-    gathered_log_probs = layout.gather(log_probs)
-    gathered_old = layout.gather(old_log_probs)
-    gathered_adv = layout.gather(batch["advantages"])
-    gathered_rollout = layout.gather(rollout_log_probs) if rollout_log_probs is not None else None
-    check_sample_lengths(response_lengths, log_probs=gathered_old, rollout_log_probs=gathered_rollout,
-                         advantages=gathered_adv, loss_masks=list(batch["loss_masks"]))
-    whole_log_probs, packing = offpolicy.pack(gathered_log_probs)
-    whole_old = _flat(gathered_old).to(whole_log_probs.device)
-    whole_adv = _flat(gathered_adv).to(whole_log_probs)
-    whole_rollout = _flat(gathered_rollout).to(whole_log_probs) if gathered_rollout is not None else None
-    mask = _flat(batch["loss_masks"]).to(whole_log_probs.device)
-    packing.check("loss_masks", mask)
-
-    def to_local(x: torch.Tensor) -> torch.Tensor:
-        return layout.to_local(x, packing)
-
+    mb = read_batch(args, config, batch, logits)
+    whole, packing, mask = mb.whole, mb.packing, mb.whole.loss_mask
     if config.vcpo_baseline:
-        opob = _opob_loss(batch, logits, log_probs, rollout_log_probs, mask)
-        objective = _opob_objective(opob, whole_log_probs, whole_old.to(whole_log_probs.dtype), whole_rollout, mask)
+        opob = _opob_loss(mb, logits)
+        objective = _opob_objective(opob, whole)
         pg_loss = opob.loss
     else:
         objective = offpolicy.policy_objective(
-            whole_log_probs, whole_old.to(whole_log_probs.dtype), whole_rollout, whole_adv, mask, packing,
+            whole.log_probs, whole.old_log_probs, whole.rollout_log_probs, whole.advantages, mask, packing,
             mode=config.is_mode, is_level=config.is_level, correction=config.is_correction,
             is_low=config.is_low, is_high=config.is_high, eps_clip=args.eps_clip,
             eps_clip_high=getattr(args, "eps_clip_high", None), eps_clip_c=getattr(args, "eps_clip_c", None),
             loss_level=loss_level,
         )
-        pg_loss = sum_of_sample_mean(to_local(objective.loss))
+        pg_loss = sum_of_sample_mean(mb.to_local(objective.loss))
     if config.vcpo_lr_scaling:
-        _observe_ess(packing, whole_log_probs, whole_rollout, mask,
-                     opob.seq_log_ratios if config.vcpo_baseline else None)
+        _observe_ess(whole, opob.seq_log_ratios if config.vcpo_baseline else None)
 
-    keep_local = to_local(objective.keep)
-    local_log_probs = _flat(log_probs)
-    local_old = _flat(old_log_probs).to(local_log_probs)
-    entropy_loss = sum_of_sample_mean(_flat(entropy) * keep_local)
+    keep_local = mb.to_local(objective.keep)
+    local_log_probs = concat_samples(mb.log_probs)
+    local_old = concat_samples(mb.old_log_probs).to(local_log_probs)
+    entropy_loss = sum_of_sample_mean(concat_samples(mb.entropy) * keep_local)
     loss = pg_loss - getattr(args, "entropy_coef", 0.0) * entropy_loss
 
     metrics: dict[str, torch.Tensor] = {}
     if getattr(args, "use_kl_loss", False):
-        ref = _flat(batch["ref_log_probs"]).to(local_log_probs)
+        ref = concat_samples(mb.ref_log_probs).to(local_log_probs)
         importance = torch.exp(local_log_probs - local_old) if getattr(args, "use_unbiased_kl", False) else None
         kl_loss = sum_of_sample_mean(offpolicy.approx_kl(local_log_probs, ref, args.kl_loss_type, importance))
         loss = loss + args.kl_loss_coef * kl_loss
@@ -363,14 +375,15 @@ def policy_loss(
     # slime's convention: ppo_kl is measured from the ratio's anchor, and the train/rollout gap
     # compares the rollout with the anchor, or with the current policy where the rollout *is* the
     # anchor (copris here, --use-rollout-logprobs in slime).
-    local_rollout = _flat(rollout_log_probs).to(local_log_probs) if rollout_log_probs is not None else None
+    local_rollout = (concat_samples(mb.rollout_log_probs).to(local_log_probs) if mb.rollout_log_probs is not None
+                     else None)
     anchored_on_rollout = config.is_mode == "copris" and local_rollout is not None
     local_anchor = local_rollout if anchored_on_rollout else local_old
     metrics.update({
         "loss": loss,
         "pg_loss": pg_loss,
         "entropy_loss": entropy_loss,
-        "pg_clipfrac": sum_of_sample_mean(to_local(objective.clipped)),
+        "pg_clipfrac": sum_of_sample_mean(mb.to_local(objective.clipped)),
         "ppo_kl": sum_of_sample_mean(local_anchor - local_log_probs),
     })
     if local_rollout is not None:
@@ -388,10 +401,9 @@ def policy_loss(
         "behaviour_ratio_mean": behaviour_ratio,
         **_weight_metrics(packing, mask, objective.sequence_log_weights),
     }
-    local_metrics = {k: to_local(v) for k, v in per_token.items()}
-    versions = token_versions(batch, response_lengths)
-    if versions is not None:
-        local_metrics.update(_staleness_metrics(versions, packing, behaviour_ratio, to_local))
+    local_metrics = {k: mb.to_local(v) for k, v in per_token.items()}
+    if mb.versions is not None:
+        local_metrics.update(_staleness_metrics(mb.versions, packing, behaviour_ratio, mb.to_local))
     for key, value in local_metrics.items():
         metrics[METRIC_PREFIX + key] = sum_of_sample_mean(value.to(local_log_probs.dtype))
     return loss, {k: torch.as_tensor(v, device=logits.device).detach().clone().float() for k, v in metrics.items()}
@@ -408,13 +420,7 @@ def _vcpo_runtime() -> vcpo.VcpoRuntime:
     return rt
 
 
-def _observe_ess(
-    packing: offpolicy.Packing,
-    whole_log_probs: torch.Tensor,
-    whole_rollout: torch.Tensor | None,
-    mask: torch.Tensor,
-    seq_log_weights: torch.Tensor | None,
-) -> None:
+def _observe_ess(whole: PackedSamples, seq_log_weights: torch.Tensor | None) -> None:
     """Feed this micro-batch's unclipped sequence log-weights log pi_theta - log pi_rollout to the
     step's ESS statistics (local; reduced across ranks once, at the optimizer step).
 
@@ -425,12 +431,13 @@ def _observe_ess(
     --recompute-loss-function the loss runs twice per micro-batch, which observes every sample
     twice: ESS / N is invariant to that.
     """
-    if whole_rollout is None:
+    if whole.rollout_log_probs is None:
         raise AprilConfigError("april_vcpo_lr_scaling needs rollout log-probs in the batch (SGLang "
                                "return_logprob) to measure the effective sample size")
+    packing, mask = whole.packing, whole.loss_mask
     if seq_log_weights is None:
         seq_log_weights = offpolicy.sequence_log_weights(
-            offpolicy.masked_log_ratio(whole_log_probs.detach(), whole_rollout, mask), packing, mask)
+            offpolicy.masked_log_ratio(whole.log_probs.detach(), whole.rollout_log_probs, mask), packing, mask)
     has_tokens = packing.sum(mask.to(seq_log_weights.dtype)) > 0
     _vcpo_runtime().lr_scaler.observe(seq_log_weights, valid=has_tokens)
 
@@ -446,14 +453,8 @@ def _per_sample_rewards(advantages: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(rewards)
 
 
-def _opob_loss(
-    batch: dict,
-    logits: torch.Tensor,
-    log_probs: list[torch.Tensor],
-    rollout_log_probs: list[torch.Tensor] | None,
-    mask: torch.Tensor,
-) -> vcpo.OpobResult:
-    """VCPO's baselined policy-gradient term for this micro-batch (``vcpo.opob_policy_loss``).
+def _opob_loss(mb: SlimeMicrobatch, logits: torch.Tensor) -> OpobResult:
+    """VCPO's baselined policy-gradient term for this micro-batch (``opob_policy_loss``).
 
     Settings were checked by ``vcpo.check_settings`` when the runtime was created: copris mode,
     sequence-level weights, no context parallelism (local = whole responses here), and copris
@@ -464,28 +465,26 @@ def _opob_loss(
         raise AprilConfigError("april_vcpo_baseline: the before-train-step hook has not attached the model's "
                                "per-sample gradient hooks")
     # The layers' activations hold whole samples (prompt and response) back to back, then padding.
-    stream = offpolicy.Packing.from_lengths(batch["total_lengths"], device=logits.device)
+    stream = offpolicy.Packing.from_lengths(mb.total_lengths, device=logits.device)
     correction, low, high = rt.is_correction
-    return vcpo.opob_policy_loss(
-        log_probs, rollout_log_probs, list(mask.split([lp.numel() for lp in log_probs])),
-        _per_sample_rewards(list(batch["advantages"])),
+    return opob_policy_loss(
+        mb.log_probs, mb.rollout_log_probs, list(mb.whole.loss_mask.split([lp.numel() for lp in mb.log_probs])),
+        _per_sample_rewards(list(mb.advantages)),
         stream.packed_segment_ids(logits.shape[1]), grad_norms=rt.grad_norms,
         correction=correction, low=low, high=high)
 
 
-def _opob_objective(
-    opob: vcpo.OpobResult, whole_log_probs: torch.Tensor, whole_old: torch.Tensor, whole_rollout: torch.Tensor,
-    mask: torch.Tensor,
-) -> offpolicy.PolicyObjective:
+def _opob_objective(opob: OpobResult, whole: PackedSamples) -> offpolicy.PolicyObjective:
     """The per-token view of the OPOB term, so that it reports the same metrics as the PPO path.
 
     ``loss`` holds the per-token terms w_i * (-log pi_t) whose plain sum is ``opob.loss``; the
     ratio is the unclipped sequence ratio pi_theta / pi_rollout (nothing is clipped).
     """
-    packing = opob.packing
-    clean = offpolicy.check_finite({"log_probs": whole_log_probs, "old_log_probs": whole_old.detach()}, mask, packing)
-    behaviour_log_ratio = offpolicy.masked_log_ratio(clean["old_log_probs"], whole_rollout, mask)
-    dtype = whole_old.dtype
+    packing, mask = opob.packing, whole.loss_mask
+    clean = offpolicy.check_finite({"log_probs": whole.log_probs, "old_log_probs": whole.old_log_probs.detach()},
+                                   mask, packing)
+    behaviour_log_ratio = offpolicy.masked_log_ratio(clean["old_log_probs"], whole.rollout_log_probs, mask)
+    dtype = whole.old_log_probs.dtype
     weight = packing.expand(opob.is_weights.to(dtype))
     return offpolicy.PolicyObjective(
         loss=-weight * clean["log_probs"] * mask.to(dtype),
@@ -534,27 +533,23 @@ def tis(
                 "custom loss april_slime.loss.policy_loss for copris with TIS/MIS")
         raise AprilConfigError(f"april_is_mode: the TIS hook implements decoupled PPO; {hint}")
     if response_lengths is None:
-        response_lengths = [int(m.numel()) for m in loss_masks]
-    layout = _Layout(total_lengths, response_lengths)
-    gathered_old = layout.gather(train_log_probs)
-    gathered_rollout = layout.gather(rollout_log_probs)
-    check_sample_lengths([int(n) for n in response_lengths], train_log_probs=gathered_old,
-                         rollout_log_probs=gathered_rollout, loss_masks=list(loss_masks))
-    whole_old, packing = offpolicy.pack([x.detach() for x in gathered_old])
-    whole_rollout = _flat(gathered_rollout).to(whole_old)
-    mask = _flat(loss_masks).to(whole_old.device)
-    clean = offpolicy.check_finite({"train_log_probs": whole_old, "rollout_log_probs": whole_rollout}, mask, packing)
+        response_lengths = [m.numel() for m in loss_masks]
+    response_lengths = [int(n) for n in response_lengths]
+    # train_metadata is what patches/slime-forward-train-metadata.patch passes to this hook
+    mb = read_samples(response_lengths, total_lengths, loss_masks=loss_masks, old_log_probs=train_log_probs,
+                      old_name="train_log_probs", rollout_log_probs=rollout_log_probs,
+                      versions=token_versions({"metadata": train_metadata}, response_lengths))
+    whole, packing, mask = mb.whole, mb.packing, mb.whole.loss_mask
+    clean = offpolicy.check_finite({"train_log_probs": whole.old_log_probs,
+                                    "rollout_log_probs": whole.rollout_log_probs}, mask, packing)
     behaviour = offpolicy.masked_log_ratio(clean["train_log_probs"], clean["rollout_log_probs"], mask)
 
     correction = config.is_correction if apply else "none"
-    weights = offpolicy.correct_log_weights(
-        offpolicy.level_log_weights(config.is_level, behaviour, packing, mask), correction, config.is_low, config.is_high)
-
-    def to_local(x: torch.Tensor) -> torch.Tensor:
-        return layout.to_local(x, packing)
+    weights = offpolicy.correct_log_weights(offpolicy.level_log_weights(config.is_level, behaviour, packing, mask),
+                                            correction, config.is_low, config.is_high)
 
     if apply:
-        pg_loss = pg_loss * to_local(weights.weights).to(pg_loss.dtype)
+        pg_loss = pg_loss * mb.to_local(weights.weights).to(pg_loss.dtype)
         if correction == "mask":
             loss_masks = [m * k.to(m.dtype) for m, k in zip(loss_masks, packing.split(weights.keep), strict=True)]
 
@@ -568,10 +563,8 @@ def tis(
         "masked_frac": 1.0 - weights.keep,
         **_weight_metrics(packing, mask, sequence_log_weights),
     }
-    metrics = {METRIC_PREFIX + k: to_local(v).detach().clone() for k, v in per_token.items()}
-    # train_metadata is what patches/slime-forward-train-metadata.patch passes to this hook
-    versions = token_versions({"metadata": train_metadata}, [int(n) for n in response_lengths])
-    if versions is not None:
-        staleness = _staleness_metrics(versions, packing, behaviour_ratio, to_local)
+    metrics = {METRIC_PREFIX + k: mb.to_local(v).detach().clone() for k, v in per_token.items()}
+    if mb.versions is not None:
+        staleness = _staleness_metrics(mb.versions, packing, behaviour_ratio, mb.to_local)
         metrics.update({METRIC_PREFIX + k: v.detach().clone() for k, v in staleness.items()})
     return pg_loss, loss_masks, metrics

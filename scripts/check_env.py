@@ -105,7 +105,8 @@ def check_april(r: Report) -> None:
         r.fail("april_slime", f"not importable: {e}")
         return
     r.ok("april_slime", f"{version_of('april_slime') or '?'} ({Path(module.__file__).parent})")
-    for name in ("april_slime.rollout", "april_slime.core.scheduler", "april_slime.core.engine", "april_slime.core.buffer"):
+    for name in ("april_slime.rollout", "april_slime.core.scheduler", "april_slime.core.engine",
+                 "april_slime.core.buffer"):
         try:
             importlib.import_module(name)
         except ImportError as e:

@@ -4,30 +4,18 @@
     .venv/bin/python scripts/cpu_evidence.py            # docs/evidence.png + .json
     .venv/bin/python scripts/cpu_evidence.py --lr 3e-3 --name evidence_stress
 
-Writes <out-dir>/<name>.png and <out-dir>/<name>.json and prints the markdown table.
+Writes <out-dir>/<name>.png and <out-dir>/<name>.json (compact, see
+april_slime/workbench/experiments/result_file.py) and prints the markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
-from april_slime.workbench.experiments import evidence
-
-
-def _json_safe(value):
-    """NaN (steps after a divergence, metrics a method does not have) becomes null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
+from april_slime.workbench.experiments import evidence, result_file, summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,15 +38,14 @@ def main(argv: list[str] | None = None) -> int:
 
     results = evidence.run_experiment(settings, args.methods, args.seeds, workers=args.workers,
                                       log=lambda line: print(line, flush=True))
-    rows = evidence.summarize(results)
+    rows = summary.summarize(results)
     results["summary"] = rows
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = args.out_dir / f"{args.name}.json", args.out_dir / f"{args.name}.png"
-    json_path.write_text(
-        json.dumps(_json_safe(results), indent=1, allow_nan=False) + "\n", encoding="utf-8")
-    evidence.plot(results, png_path)
+    result_file.write(results, json_path)  # compact: one line per series (see result_file)
+    summary.plot(results, png_path)
     print()
-    print(evidence.markdown_table(rows, settings))
+    print(summary.markdown_table(rows, settings))
     print(f"\nwall time {results['wall_seconds']:.0f}s with {args.workers} worker(s); "
           f"wrote {png_path} and {json_path}")
     return 0

@@ -14,16 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_vcpo_bench import per_sample_log_probs  # noqa: E402
-from vcpo_overhead import CONFIG, build, one_step  # noqa: E402
+from april_slime.workbench.vcpo_timing import CONFIG, build, one_step, per_sample_log_probs
 
 
 def main(argv=None) -> dict:

@@ -133,7 +133,7 @@ MUTATIONS: list[Mutation] = [
         what="the scheduler appends a reply without its per-token version runs (every token gets the "
              "version reported at the end of the call)",
         edits=(Edit(
-            "april_slime/core/scheduler.py",
+            "april_slime/core/work.py",
             "t.append(result.output_ids, result.logprobs, int(result.weight_version), result.version_runs)",
             "t.append(result.output_ids, result.logprobs, int(result.weight_version))",
         ),),
@@ -148,7 +148,7 @@ MUTATIONS: list[Mutation] = [
         name="save-writes-live-state",
         what="AprilDataSource.save(N) writes the live state instead of rollout N's snapshot",
         edits=(Edit(
-            "april_slime/rollout.py",
+            "april_slime/core/checkpoint.py",
             "snapshot = self._snapshots.get(rollout_id)",
             "snapshot = None",
         ),),
@@ -164,7 +164,7 @@ MUTATIONS: list[Mutation] = [
         name="codec-reverses-log-probs",
         what="the Sample codec gives each slime sample its rollout log-probs in reverse order",
         edits=(Edit(
-            "april_slime/rollout.py",
+            "april_slime/samples.py",
             "s.rollout_log_probs = [float(lp) for lp in t.logprobs]",
             "s.rollout_log_probs = [float(lp) for lp in reversed(t.logprobs)]",
         ),),

@@ -7,7 +7,8 @@
 #    real stack (SGLang 0.5.23 on CPU, sglang-router, megatron-core, slime with patches/ applied).
 #    The heavy part is cached under ~/.cache/april-slime, so a second run takes seconds.
 # 2. The linters the script tests use (shellcheck, hadolint), where this machine can install them.
-# 3. pytest: the fast tier (tests/) and the real tier (tests/real/, marker `real`). Without slime
+# 3. ruff: the lint rules of pyproject.toml.
+# 4. pytest: the fast tier (tests/) and the real tier (tests/real/, marker `real`). Without slime
 #    the real tier skips with one line saying why.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -16,4 +17,5 @@ bash scripts/real-stack/setup.sh
 bash scripts/install-linters.sh || echo "[test] linters not installed; their tests will skip" >&2
 # shellcheck source=/dev/null
 . .venv/bin/activate
+ruff check --quiet .
 python -m pytest -q "$@"

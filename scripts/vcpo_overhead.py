@@ -28,45 +28,12 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_vcpo_bench import (  # noqa: E402
-    Decoder, make_batch, per_sample_log_probs, plain_truncated_is_loss,
-)
-
-from april_slime.vcpo import PerSampleGradNorms, finish_opob_step, opob_policy_loss  # noqa: E402
-
-# Qwen3-4B is d=2560, 36 layers, ff=9728, vocab 151936, responses of thousands of tokens; this
-# keeps its proportions (ff ~ 4 d, vocab >> d, samples of hundreds of tokens) at CPU size.
-CONFIG = dict(vocab=8192, d=256, layers=4, heads=4, ff=1024, tokens=1024, samples=4)
-
-
-def one_step(variant, model, batch, tracker):
-    tokens, seg, mask, resp, cu, rewards = batch
-    model.zero_grad(set_to_none=False)
-    logits = model(tokens, mask)
-    lps, masks = per_sample_log_probs(logits, tokens, resp, cu)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(0)
-        rollout = [lp.detach() + 0.05 * torch.randn(lp.shape, generator=g) for lp in lps]
-    if variant == "plain":
-        plain_truncated_is_loss(lps, rollout, masks, rewards).backward()
-    else:
-        out = opob_policy_loss(lps, rollout, masks, rewards, seg, grad_norms=tracker, correction="truncate",
-                               high=2.0)
-        out.loss.backward()
-        finish_opob_step(tracker, model.parameters())
-
-
-def build(seed=0):
-    torch.manual_seed(seed)
-    cfg = CONFIG
-    model = Decoder(cfg["vocab"], cfg["d"], cfg["layers"], cfg["heads"], cfg["ff"])
-    return model, make_batch(cfg, "cpu")
+from april_slime.training.grad_norms import PerSampleGradNorms
+from april_slime.workbench.vcpo_timing import CONFIG, build, one_step
 
 
 def memory_child(variant, steps, queue):

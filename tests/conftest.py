@@ -5,15 +5,26 @@ The real tier starts SGLang engines once per session and keeps them until the se
 scheduler loops keep polling while idle, so run earlier they would share the two cores with
 everything after them, timing-sensitive tests included. Order changes nothing else: every test
 is independent of it.
+
+The helpers the tests share live in ``tests/support/`` and are imported as ``tests.support...``:
+the repository root goes on ``sys.path`` here, once, before any test module is imported. The
+fixtures ``slime_mode`` and ``cluster`` (``tests.support.slime_jobs``) are re-exported for every test.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-REAL_TIER = Path(__file__).resolve().parent / "real"
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.support.slime_jobs import cluster, slime_mode  # noqa: E402,F401  (fixtures for every test)
+
+REAL_TIER = ROOT / "tests" / "real"
 
 
 @pytest.hookimpl(trylast=True)

@@ -4,7 +4,7 @@ import pytest
 
 from april_slime.core.adaptive import AdaptiveConcurrencyController
 from april_slime.core.config import AprilConfig
-from april_slime.core.engine import EngineLoad
+from april_slime.core.sglang_protocol import EngineLoad
 
 CAPACITY = 100_000
 

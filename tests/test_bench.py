@@ -8,8 +8,15 @@ import numpy as np
 import pytest
 
 from april_slime.workbench import bench
-from april_slime.workbench.bench import (ENGINE_PRESETS, Workload, apply_overrides,
-                               ideal_throughput, length_stats, plan, run_benchmark)
+from april_slime.workbench.bench import (
+    ENGINE_PRESETS,
+    Workload,
+    apply_overrides,
+    ideal_throughput,
+    length_stats,
+    plan,
+    run_benchmark,
+)
 from april_slime.workbench.cli import main as cli_main
 from april_slime.workbench.emulator import SyntheticLM
 

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from april_slime.workbench.bench import EngineSpec, Workload, run_benchmark
-from april_slime.workbench.bench.calibrate import engine_spec, main as calibrate_main, measure
+from april_slime.workbench.bench.calibrate import engine_spec, measure
+from april_slime.workbench.bench.calibrate import main as calibrate_main
 from april_slime.workbench.emulator import EmulatorCluster, EngineConfig, TimeModel
 
 # Slow steps (tens of milliseconds) so a busy machine's scheduling noise stays small next to them.

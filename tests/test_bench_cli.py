@@ -1,10 +1,10 @@
 """``april-slime bench`` command line: bad input names what is wrong; short runs say what they are."""
 
+import pytest
+
 from april_slime.workbench.bench import EngineSpec, Workload, apply_overrides
 from april_slime.workbench.bench.cli import main
 from april_slime.workbench.bench.spec import ENGINE_PRESETS
-
-import pytest
 
 
 def test_set_with_a_value_of_the_wrong_type_names_key_and_value(capsys):

@@ -1,9 +1,12 @@
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
+from april_slime.core import checkpoint
 from april_slime.core.buffer import PartialBuffer
+from april_slime.core.jsonfile import StateFileError
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 
 
@@ -146,7 +149,28 @@ def test_put_refuses_running_or_misaligned_trajectories():
     assert len(buf) == 0
 
 
-def test_save_load_round_trip(tmp_path):
+# ------------------------------------------------------------------ persistence: the data source's checkpoint
+class Prompts:
+    """slime's data source as the checkpoint sees it: a prompt position, ``save`` and ``load``."""
+
+    def __init__(self):
+        self.sample_offset = self.epoch_id = self.sample_group_index = self.sample_index = 0
+        self.metadata = {}
+
+    def save(self, rollout_id):
+        pass
+
+    def load(self, rollout_id):
+        pass
+
+
+def checkpoints(tmp_path, buffer, prompts=None):
+    """The checkpoints of a data source saving to and loading from ``tmp_path / "ckpt"``."""
+    args = SimpleNamespace(save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"), rollout_shuffle=False)
+    return checkpoint.Checkpoints(prompts or Prompts(), buffer, args, buffer_dir=None)
+
+
+def test_checkpoint_round_trip(tmp_path):
     buf = PartialBuffer(priority="fifo", max_staleness=5, stale_action="drop")
     g1 = make_group("a", finished_lengths=(3,), partial=((0, 2),), payload={"label": "42", "idx": 7})
     g1.trajectories[1].append([9, 8, 7], [-0.1, -1.5e-8, -3.25], 2)  # second stage, new version
@@ -156,11 +180,12 @@ def test_save_load_round_trip(tmp_path):
     buf.put(g1)
     buf.put(g2)
     buf.restarted_groups, buf.restarted_tokens, buf.dropped_groups = 4, 40, 1
-    path = tmp_path / "sub" / "buffer.json"
-    buf.save(path)
-    assert [p.name for p in path.parent.iterdir()] == ["buffer.json"]  # no temporary left behind
+    checkpoints(tmp_path, buf).save(0, policy_version=2)
+    folder = tmp_path / "ckpt" / "rollout"
+    assert [p.name for p in folder.iterdir()] == ["april_state_0.json"]  # no temporary left behind
 
-    loaded = PartialBuffer.load(path, priority="fifo")
+    loaded = PartialBuffer(priority="fifo")
+    assert checkpoints(tmp_path, loaded).load(0).policy_version == 2
     assert loaded.state_dict() == buf.state_dict()
     t = loaded.groups()[0].trajectories[1]
     assert t.version_runs == [[0, 2], [2, 3]]
@@ -174,17 +199,18 @@ def test_save_load_round_trip(tmp_path):
     assert [g.to_dict() for g in loaded.take(5, 1)] == [g.to_dict() for g in buf.take(5, 1)]
 
 
-def test_save_is_atomic_and_refuses_non_json_payload(tmp_path):
-    path = tmp_path / "buffer.json"
+def test_checkpoint_save_is_atomic_and_refuses_non_json_payload(tmp_path):
     buf = PartialBuffer()
     buf.put(make_group("a"))
-    buf.save(path)
-    before = path.read_text()
+    saver = checkpoints(tmp_path, buf)
+    saver.save(0, policy_version=None)
+    folder = tmp_path / "ckpt" / "rollout"
+    before = (folder / "april_state_0.json").read_text()
     buf.put(make_group("b", payload=object()))
     with pytest.raises(ValueError, match="not plain JSON"):
-        buf.save(path)
-    assert path.read_text() == before
-    assert os.listdir(tmp_path) == ["buffer.json"]
+        saver.save(0, policy_version=None)
+    assert (folder / "april_state_0.json").read_text() == before
+    assert os.listdir(folder) == ["april_state_0.json"]
 
 
 def test_load_state_validates_before_replacing():
@@ -205,15 +231,18 @@ def test_load_state_validates_before_replacing():
     assert buf.groups()[0].trajectories[0].status is TrajectoryStatus.ABORTED
 
 
-@pytest.mark.parametrize("text", ["", '{"format": 1, "groups": [', "[]", '{"format": 1}'])
-def test_loading_a_torn_or_wrong_file_names_it_and_keeps_the_buffer(tmp_path, text):
-    from april_slime.core.jsonfile import StateFileError
-
-    path = tmp_path / "buffer.json"
+@pytest.mark.parametrize("text", ["", '{"format": 2, "buffer": {', "[]", '{"format": 2}',
+                                  '{"format": 2, "prompt_state": {}, "buffer": {"format": 9, "groups": []}}'])
+def test_loading_a_torn_or_wrong_checkpoint_names_it_and_keeps_the_buffer(tmp_path, text):
+    path = tmp_path / "ckpt" / "rollout" / "april_state_0.json"
+    path.parent.mkdir(parents=True)
     path.write_text(text)
     buf = PartialBuffer()
     buf.put(make_group("kept"))
+    prompts = Prompts()
+    prompts.sample_group_index = 3
     with pytest.raises(StateFileError) as err:
-        buf.load_into(path)
+        checkpoints(tmp_path, buf, prompts).load(0)
     assert str(err.value).startswith(f"{path}:") and "\n" not in str(err.value)
     assert uids(buf.groups()) == ["kept"]
+    assert prompts.sample_group_index == 3

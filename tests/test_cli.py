@@ -94,7 +94,8 @@ def test_emulator_reports_an_engine_port_in_use(capsys):
 
 
 def test_emulator_still_serves_on_free_ports():
-    proc = subprocess.Popen([sys.executable, "-m", "april_slime.workbench.cli", "emulator", "--port", "0", "--engines", "2"],
+    proc = subprocess.Popen([sys.executable, "-m", "april_slime.workbench.cli", "emulator", "--port", "0",
+                             "--engines", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = [proc.stdout.readline() for _ in range(3)]

@@ -12,12 +12,18 @@ import aiohttp
 import numpy as np
 import pytest
 
+from april_slime.core.transport import TransportHTTPError
 from april_slime.workbench.emulator import (
-    EngineConfig, LengthModel, SyntheticLM, TimeModel, build_cluster, reference_tokens, run_virtual,
+    EngineConfig,
+    LengthModel,
+    SyntheticLM,
+    TimeModel,
+    build_cluster,
+    reference_tokens,
+    run_virtual,
     start_cluster,
 )
 from april_slime.workbench.emulator.model import prompt_key
-from april_slime.core.engine import TransportHTTPError
 
 SHORT = LengthModel.preset("short")
 LONG = LengthModel(kind="max-length")
@@ -181,7 +187,7 @@ async def test_loads_router_dispatch_and_stats(session):
         # wait for all 8 to arrive (a fixed sleep raced the HTTP requests on a busy machine)
         for _ in range(400):
             status, loads = await call(session, "GET", rc.router_url, "/v1/loads")
-            in_flight = sum(l["num_running_reqs"] + l["num_waiting_reqs"] for l in loads["loads"])
+            in_flight = sum(e["num_running_reqs"] + e["num_waiting_reqs"] for e in loads["loads"])
             if in_flight == 8:
                 break
             await asyncio.sleep(0.01)
@@ -288,8 +294,9 @@ async def test_kv_overflow_retracts_and_every_request_finishes_correctly(session
                              admission_reserve_tokens=64) as rc:
         model = rc.cluster.model
         prompts = [[100 + i, 2, 3, 4] + [9] * 26 for i in range(16)]
-        out = await asyncio.gather(*[call(session, "POST", rc.router_url, "/generate", gen_body(p, 400, f"k{i}", seed=i))
-                                     for i, p in enumerate(prompts)])
+        out = await asyncio.gather(*[
+            call(session, "POST", rc.router_url, "/generate", gen_body(p, 400, f"k{i}", seed=i))
+            for i, p in enumerate(prompts)])
         for i, (status, reply) in enumerate(out):
             assert status == 200
             ids, lps, finish = check_reply_shape(reply, model, 400)
@@ -497,8 +504,10 @@ async def test_emulator_replies_like_sglang_0_5_23_field_by_field():
     for name, scenario in want.items():
         if name.startswith("bad_") and name != "bad_duplicate_rid":
             assert got[name]["reply"] == scenario["reply"], name
-    assert got["bad_duplicate_rid"]["reply"]["body"] == {"error": {"message": "Duplicate request ID detected: golden-dup"}}
-    assert "queued_reply" in got["abort_all"] and "prompt_tokens" not in got["abort_all"]["queued_reply"]["body"]["meta_info"]
+    duplicate = got["bad_duplicate_rid"]["reply"]["body"]
+    assert duplicate == {"error": {"message": "Duplicate request ID detected: golden-dup"}}
+    assert "queued_reply" in got["abort_all"]
+    assert "prompt_tokens" not in got["abort_all"]["queued_reply"]["body"]["meta_info"]
     # weight versions after /update_weights_from_disk, relative to where each engine started
     for side, start in ((got, 0), (want, int(want["generate_length"]["reply"]["body"]["meta_info"]["weight_version"]))):
         assert side["model_info_after_update"]["reply"]["body"]["weight_version"] == str(start + 1)

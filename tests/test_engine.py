@@ -11,17 +11,16 @@ from typing import Any, Callable
 import pytest
 from aiohttp import web
 
-from april_slime.core.engine import (
-    EngineClient,
+from april_slime.core.engine import EngineClient
+from april_slime.core.sglang_protocol import (
     EngineError,
     EngineLoad,
     EngineReplyError,
     EngineUnavailable,
-    HttpTransport,
     RequestRejected,
-    TransportHTTPError,
     parse_generate_reply,
 )
+from april_slime.core.transport import HttpTransport, TransportHTTPError
 
 FAST = dict(max_retries=3, retry_backoff_s=0.001)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from april_slime.workbench.experiments import evidence
+from april_slime.workbench.experiments import evidence, result_file, summary
 
 TINY = evidence.EvidenceSettings(
     num_digits=3, d_model=16, n_heads=2, n_layers=1, sft_steps=3, sft_batch_size=16,
@@ -73,11 +73,11 @@ def test_tiny_run_of_every_method(tmp_path):
     # the first VCPO step is on-policy, so it defines rho_on and its learning-rate factor is 1
     assert vcpo_run["lr_scale"][0] == pytest.approx(1.0)
 
-    rows = evidence.summarize(results)
-    table = evidence.markdown_table(rows, TINY)
+    rows = summary.summarize(results)
+    table = summary.markdown_table(rows, TINY)
     for method in methods:
         assert evidence.METHODS[method].label in table
-    evidence.plot(results, tmp_path / "evidence.png")
+    summary.plot(results, tmp_path / "evidence.png")
     assert (tmp_path / "evidence.png").stat().st_size > 10_000
 
 
@@ -90,9 +90,31 @@ def test_script_writes_png_and_strict_json(tmp_path):
         cmd += ["--" + name.replace("_", "-"), str(getattr(TINY, name))]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
     assert "(b) CoPRIS IS" in out
-    data = json.loads((tmp_path / "evidence.json").read_text())  # strict: no NaN literals
+    text = (tmp_path / "evidence.json").read_text()
+    data = json.loads(text)  # strict: no NaN literals
     assert [r["method"] for r in data["runs"]] == ["sync", "copris"]
+    assert text == result_file.to_text(data)  # the compact form: one line per series
     assert (tmp_path / "evidence.png").exists()
+
+
+
+def test_result_file_keeps_the_summary_exact_and_each_series_on_one_line():
+    run = {"method": "copris", "seed": 0, "diverged_at": 2, "eval_step": [0, 2, 4],
+           "eval_reward": [0.587890625, 0.9, math.nan], "ess_ratio": [0.123456789, 1.0, math.nan],
+           "lr_scale": [1.0, 0.98765, math.nan], "seconds": 12.345}
+    results = {"settings": {"lr": 1e-3}, "methods": ["copris"], "seeds": [0], "workers": 1,
+               "warm_start_seconds": {0: 1.234}, "wall_seconds": 5.678, "runs": [run],
+               "summary": [{"method": "copris", "final_reward_mean": 0.9046875123456, "steps_to_0.8": math.nan}]}
+    text = result_file.to_text(results)
+    data = json.loads(text)
+    assert data["summary"] == [{"method": "copris", "final_reward_mean": 0.9046875123456, "steps_to_0.8": None}]
+    got = data["runs"][0]
+    assert got["eval_reward"] == [0.587890625, 0.9, None]  # exact: the summary's rewards come from it
+    assert got["ess_ratio"] == [0.1235, 1.0, None] and got["lr_scale"] == [1.0, 0.9877, None]
+    assert (got["seconds"], data["wall_seconds"], data["warm_start_seconds"]) == (12.3, 5.7, {"0": 1.2})
+    for key in ("eval_step", "eval_reward", "ess_ratio", "lr_scale"):
+        assert sum(line.strip().startswith(f'"{key}": [') and line.rstrip(",}").endswith("]")
+                   for line in text.splitlines()) == 1, key
 
 
 def test_unknown_method_is_rejected():

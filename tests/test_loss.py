@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from april_slime import loss as april_loss
-from april_slime.training import offpolicy as op
 from april_slime.core.config import AprilConfigError
+from april_slime.training import offpolicy as op
 
 VOCAB = 13
 

@@ -9,24 +9,19 @@ from __future__ import annotations
 
 import importlib
 import json
-from types import SimpleNamespace
 
-import aiohttp
 import pytest
 import yaml
 
-import slime_standin
 from april_slime import rollout
 from april_slime.core.config import AprilConfigError
-
-RBS, N, MAX_LEN = 4, 3, 48
+from april_slime.core.jsonfile import StateFileError
+from april_slime.core.keys import POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
+from tests.support import slime_standin
+from tests.support.slime_jobs import make_args, point_at, restart_from_n_loses_and_repeats_nothing
 
 
 # ------------------------------------------------------------------ functions slime loads by path
-async def parity_reward(args, sample, **kwargs):
-    return float(sample.response_length % 2)
-
-
 async def group_parity_reward(args, samples, **kwargs):
     # a group reward: 1 for samples longer than their group's mean
     mean = sum(s.response_length for s in samples) / len(samples)
@@ -46,15 +41,7 @@ def keep_mixed_rewards(args, samples, **kwargs):
 
 
 # ------------------------------------------------------------------ fixtures
-@pytest.fixture
-def slime_mode(monkeypatch):
-    mode = slime_standin.install(monkeypatch)
-    if mode == "real":
-        slime_standin.patch_real_tokenizer(monkeypatch)
-    yield mode
-    rollout.shutdown()
-
-
+# slime_mode and cluster: tests/conftest.py (from tests.support.slime_jobs)
 @pytest.fixture
 def prompts(tmp_path):
     path = tmp_path / "prompts.jsonl"
@@ -62,87 +49,6 @@ def prompts(tmp_path):
         for i in range(40):
             f.write(json.dumps({"prompt": f"Q{i:03d}", "label": str(2 * i)}) + "\n")
     return path
-
-
-def make_args(tmp_path, prompts, **overrides):
-    """The slime arguments the plugin reads, with slime's defaults for the rest."""
-    args = SimpleNamespace(
-        # slime data-source arguments
-        rollout_global_dataset=True, prompt_data=str(prompts), input_key="prompt", label_key="label",
-        metadata_key="metadata", tool_key=None, multimodal_keys=None, apply_chat_template=False,
-        apply_chat_template_kwargs={}, rollout_max_prompt_len=None, rollout_shuffle=False, rollout_seed=42,
-        dump_details=None, hf_checkpoint=str(tmp_path / "tokenizer"), buffer_filter_path=None,
-        save=str(tmp_path / "ckpt"), load=None,
-        # slime rollout arguments
-        rollout_batch_size=RBS, n_samples_per_prompt=N, over_sampling_batch_size=RBS,
-        rollout_max_response_len=MAX_LEN, rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1,
-        rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
-        partial_rollout=False, mask_offpolicy_in_partial_rollout=False, custom_generate_function_path=None,
-        use_rollout_routing_replay=False, dynamic_sampling_filter_path=None, rollout_sample_hook_path=None,
-        group_rm=False, custom_rm_path=f"{__name__}.parity_reward", rm_type=None, reward_key=None,
-        sglang_router_ip="127.0.0.1", sglang_router_port=0,
-        # plugin settings, as --custom-config-path sets them
-        april_policy="april", april_over_sampling_factor=2.0,
-    )
-    for key, value in overrides.items():
-        setattr(args, key, value)
-    return args
-
-
-def loop_run(coro):
-    """Run on the loop the rollout function uses (slime's persistent loop)."""
-    return importlib.import_module("slime.utils.async_utils").run(coro)
-
-
-class Cluster:
-    """Emulated SGLang engines + router over loopback HTTP, started on slime's persistent loop."""
-
-    def __init__(self, num_engines: int = 2, seed: int = 7):
-        from april_slime.workbench.emulator.batching import EngineConfig
-        from april_slime.workbench.emulator.cluster import EmulatorCluster
-        from april_slime.workbench.emulator.model import LengthModel, SyntheticLM
-
-        # short, long-tailed responses (some run to the budget), emulated 20x faster than real time
-        model = SyntheticLM(seed=seed, length=LengthModel(median_tokens=24.0, prompt_sigma=0.6,
-                                                          truncation_fraction=0.1))
-        self.emulator = EmulatorCluster(num_engines, model=model, engine_config=EngineConfig(time_scale=20.0))
-
-        async def start():
-            await self.emulator.start()
-            await self.emulator.serve_http()
-
-        loop_run(start())
-        self.router_url = self.emulator.router_url
-
-    def bump(self, version: int) -> None:
-        """What slime's weight update does to the engines' version (through the router)."""
-
-        async def post():
-            async with aiohttp.ClientSession() as session:
-                async with session.post(f"{self.router_url}/update_weight_version",
-                                        json={"new_version": str(version)}) as resp:
-                    resp.raise_for_status()
-
-        loop_run(post())
-
-    def stop(self) -> None:
-        loop_run(self.emulator.close())
-
-
-@pytest.fixture
-def cluster(slime_mode):
-    c = Cluster()
-    c.bump(1)  # slime pushes the first weights (version 1) before rollout 0
-    yield c
-    rollout.shutdown()
-    c.stop()
-
-
-def point_at(args, cluster):
-    host_port = cluster.router_url.removeprefix("http://")
-    args.sglang_router_ip, port = host_port.rsplit(":", 1)
-    args.sglang_router_port = int(port)
-    return args
 
 
 def check_train_output(output, args, version):
@@ -169,15 +75,15 @@ def check_train_output(output, args, version):
             assert s.loss_mask == [1] * s.response_length
             assert s.reward is not None
             assert s.response == " ".join(str(t) for t in s.tokens[prompt_len:])
-            runs = s.train_metadata[rollout.TOKEN_VERSIONS_KEY]
+            runs = s.train_metadata[TOKEN_VERSIONS_KEY]
             assert sum(c for _, c in runs) == s.response_length
             assert all(v <= version for v, _ in runs)
-            assert s.train_metadata[rollout.POLICY_VERSION_KEY] == version
+            assert s.train_metadata[POLICY_VERSION_KEY] == version
             call_versions = [int(v) for v in s.weight_versions]  # one per generate call
             assert len(call_versions) == s.metadata["april_num_calls"]
             assert call_versions == sorted(call_versions)
             assert set(call_versions) >= {v for v, _ in runs}
-            assert s.metadata[rollout.TOKEN_VERSIONS_KEY] == runs
+            assert s.metadata[TOKEN_VERSIONS_KEY] == runs
             if s.status is Sample.Status.TRUNCATED:
                 assert s.response_length == args.rollout_max_response_len
     assert len(set(group_indices)) == len(group_indices)
@@ -297,7 +203,7 @@ def test_partials_survive_a_restart(cluster, tmp_path, prompts):
     still_buffered = {g.uid for g in source2.buffer.groups()}
     assert buffered <= returned | still_buffered, "a buffered group was lost across the restart"
     resumed = [s for g in output.samples if str(g[0].group_index) in buffered for s in g]
-    assert any(v == 1 for s in resumed for v, _ in s.train_metadata[rollout.TOKEN_VERSIONS_KEY])
+    assert any(v == 1 for s in resumed for v, _ in s.train_metadata[TOKEN_VERSIONS_KEY])
 
 
 def test_save_is_atomic_and_next_to_slimes_state(slime_mode, tmp_path, prompts):
@@ -320,7 +226,7 @@ def test_a_missing_state_file_stops_the_job_naming_it(slime_mode, tmp_path, prom
     folder = tmp_path / "ckpt" / "rollout"
     (folder / "april_state_4.json").unlink()
     fresh = rollout.AprilDataSource(make_args(tmp_path, prompts, load=str(tmp_path / "ckpt")))
-    with pytest.raises(rollout.StateFileError) as err:
+    with pytest.raises(StateFileError) as err:
         fresh.load(4)
     message = str(err.value)
     assert message.startswith(str(folder / "april_state_4.json") + ": missing")
@@ -343,7 +249,7 @@ def test_a_torn_or_corrupt_state_file_raises_naming_it(slime_mode, tmp_path, pro
     assert damaged != text
     path.write_text(damaged)
     fresh = rollout.AprilDataSource(make_args(tmp_path, prompts, load=str(tmp_path / "ckpt")))
-    with pytest.raises(rollout.StateFileError) as err:
+    with pytest.raises(StateFileError) as err:
         fresh.load(0)
     assert str(err.value).startswith(str(path) + ":") and "\n" not in str(err.value)
 
@@ -366,40 +272,9 @@ def test_stale_tmp_files_of_killed_saves_are_removed(slime_mode, tmp_path, promp
 
 
 # ------------------------------------------------------------------ restarts under train.py and train_async.py
-def _trained_indices(output) -> list[int]:
-    return [g[0].group_index for g in output.samples]
-
-
 @pytest.mark.parametrize("loop", ["train", "train_async"])
 def test_a_restart_from_n_loses_and_repeats_nothing(cluster, tmp_path, prompts, loop):
-    """slime's train.py: generate N, save N, generate N+1. train_async.py: generate N, generate N+1
-    (queued first on the rollout actor), save N. Either way the job dies before N+1 is trained;
-    restarted from checkpoint N, every group is trained exactly once or still buffered."""
-    args = point_at(make_args(tmp_path, prompts, april_over_sampling_factor=3.0), cluster)
-    source = rollout.AprilDataSource(args)
-    trained = _trained_indices(rollout.generate_rollout(args, 0, source))
-    assert len(source.buffer) > 0, "over-sampling left nothing buffered; the test needs some"
-    if loop == "train":
-        source.save(0)
-        taken_by_1 = rollout.generate_rollout(args, 1, source)
-    else:
-        taken_by_1 = rollout.generate_rollout(args, 1, source)
-        source.save(0)
-    handed_out_by_1 = {g[0].group_index for g in taken_by_1.samples}
-    rollout.shutdown()  # the job dies here: step 1 was generated but never trained
-
-    restarted = point_at(make_args(tmp_path, prompts, april_over_sampling_factor=3.0, load=args.save), cluster)
-    cluster.bump(1)
-    source2 = rollout.AprilDataSource(restarted)
-    source2.load(0)
-    for rollout_id in (1, 2):
-        trained += _trained_indices(rollout.generate_rollout(restarted, rollout_id, source2))
-    buffered = [int(g.uid) for g in source2.buffer.groups()]
-    assert len(trained) == len(set(trained)), "a group was trained twice"
-    assert not set(trained) & set(buffered), "a trained group is still buffered"
-    handed_out = set(range(source2._prompts.sample_group_index))
-    assert handed_out == set(trained) | set(buffered), "a group handed out was lost"
-    assert handed_out_by_1 <= set(trained) | set(buffered)
+    restart_from_n_loses_and_repeats_nothing(cluster, tmp_path, prompts, loop)
 
 
 def test_a_snapshot_does_not_follow_later_changes_to_the_buffer(slime_mode, tmp_path, prompts):

@@ -15,7 +15,8 @@ versions), and one test pushes new weights while requests are generating (a sing
 then spans two versions), so the reference also depends on the per-token versions being right.
 
 Runs against the real slime when it is importable, else against ``slime_standin``, as
-``test_rollout_slime`` does (whose emulated cluster and slime arguments are reused here).
+``test_rollout_slime`` does, on the same emulated cluster and slime arguments
+(``tests.support.slime_jobs``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import math
 
 import pytest
 
-from april_slime import rollout
-from test_rollout_slime import Cluster, cluster, make_args, point_at, slime_mode  # noqa: F401  (fixtures)
+from april_slime import rollout, samples
+from april_slime.core.keys import TOKEN_VERSIONS_KEY
+from tests.support.slime_jobs import Cluster, make_args, point_at
 
 ROLLOUTS = 3
 
@@ -62,8 +64,8 @@ def expand(runs) -> list[int]:
 def reference(cluster: Cluster, prompt_ids: list[int], group_index, position: int, versions: list[int],
               seed: int) -> tuple[list[int], list[float]]:
     """The engines' stream for one trajectory: its sampling seed is a pure function of the job
-    seed, the group and the position in the group (``rollout._sampling_seed``)."""
-    sampling_seed = rollout._sampling_seed(seed, str(group_index), position)
+    seed, the group and the position in the group (``samples.sampling_seed``)."""
+    sampling_seed = samples.sampling_seed(seed, str(group_index), position)
     return cluster.emulator.model.reference(prompt_ids, sampling_seed, len(prompt_ids), versions)
 
 
@@ -96,7 +98,7 @@ def test_trained_samples_carry_the_engines_log_probs_in_order(cluster, tmp_path,
     checked = multi_version = 0
     for group in trained:
         for position, s in enumerate(group):
-            versions = expand(s.train_metadata[rollout.TOKEN_VERSIONS_KEY])
+            versions = expand(s.train_metadata[TOKEN_VERSIONS_KEY])
             check_sample(cluster, args, s, position, versions)
             checked += s.response_length >= 2  # a one-token list reads the same in any order
             multi_version += len(set(versions)) > 1
@@ -139,7 +141,7 @@ def test_samples_handed_back_keep_the_engines_log_probs(cluster, tmp_path, promp
         for position, (s, t) in enumerate(zip(group, kept.trajectories, strict=True)):
             assert t.response_ids == list(s.tokens[len(s.tokens) - s.response_length:])
             assert t.logprobs == list(s.rollout_log_probs)
-            assert t.token_versions() == expand(s.train_metadata[rollout.TOKEN_VERSIONS_KEY])
+            assert t.token_versions() == expand(s.train_metadata[TOKEN_VERSIONS_KEY])
             ids, lps = reference(cluster, t.prompt_ids, s.group_index, position, t.token_versions(),
                                  args.rollout_seed)
             assert (t.response_ids, t.logprobs) == (ids, lps), f"{t.uid}: differs from the engine's stream"
@@ -192,7 +194,7 @@ def test_weights_pushed_mid_call_give_each_token_the_version_that_generated_it(
                 if from_buffer:
                     versions, calls = kept[f"{s.group_index}/{position}"]
                 else:
-                    versions = expand(s.train_metadata[rollout.TOKEN_VERSIONS_KEY])
+                    versions = expand(s.train_metadata[TOKEN_VERSIONS_KEY])
                     calls = [int(v) for v in s.weight_versions]
                 check_sample(cluster, args, s, position, versions)
                 checked += 1

@@ -10,12 +10,13 @@ import pytest
 
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.config import AprilConfig
+from april_slime.core.engine import EngineClient
+from april_slime.core.scheduler import PromptsExhausted, RolloutScheduler, RolloutStepError
+from april_slime.core.sglang_protocol import EngineLoad, EngineUnavailable, GenerateResult, RequestRejected
+from april_slime.core.transport import HttpTransport
+from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.workbench.emulator.testing import start_cluster
 from april_slime.workbench.emulator.vclock import run_virtual
-from april_slime.core.engine import (EngineClient, EngineLoad, EngineUnavailable, GenerateResult, HttpTransport,
-                                RequestRejected)
-from april_slime.core.scheduler import PromptsExhausted, RolloutScheduler, RolloutStepError
-from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 
 PROMPT_LEN = 4
 
@@ -477,7 +478,7 @@ async def test_adaptive_controller_changes_concurrency():
             return 4
 
         def observe(self, loads, now):
-            self.seen.append(sum(l.num_running for l in loads))
+            self.seen.append(sum(load.num_running for load in loads))
             return next(self.targets, 3)
 
     ctrl = Controller()

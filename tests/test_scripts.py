@@ -538,10 +538,12 @@ def test_build_sglang_patches_then_installs_the_hip_extras(tmp_path, build_env):
     build_env["SGLANG_REF"] = make_repo(repo, {
         "python/sglang/srt/server.py": "WEIGHT_VERSION = None\n",
         "python/pyproject.toml": '[project]\nname = "sglang"\n[project.optional-dependencies]\nsrt = ["torch"]\n',
-        "python/pyproject_other.toml": '[project]\nname = "sglang"\n[project.optional-dependencies]\nsrt_hip = ["torch"]\nall_hip = ["sglang[srt_hip]"]\n',
+        "python/pyproject_other.toml": ('[project]\nname = "sglang"\n[project.optional-dependencies]\n'
+                                        'srt_hip = ["torch"]\nall_hip = ["sglang[srt_hip]"]\n'),
         "sgl-kernel/pyproject.toml": "cuda\n",
         "sgl-kernel/pyproject_rocm.toml": "rocm\n",
-        "sgl-kernel/setup_rocm.py": "import os, pathlib\npathlib.Path('built-for').write_text(os.environ['AMDGPU_TARGET'] + open('pyproject.toml').read())\n",
+        "sgl-kernel/setup_rocm.py": ("import os, pathlib\npathlib.Path('built-for')"
+                                     ".write_text(os.environ['AMDGPU_TARGET'] + open('pyproject.toml').read())\n"),
         "python/sglang/srt/layers/quantization/configs/N=1,device_name=AMD_Instinct_MI300X.json": "{}\n",
     })
     build_env["SGLANG_REPO"] = str(repo)

@@ -44,18 +44,19 @@ from types import SimpleNamespace
 
 import pytest
 
-import slime_standin
-from april_slime.core import checkpoint
 from april_slime import rollout
+from april_slime.core import checkpoint
+from april_slime.core.buffer import PartialBuffer
 from april_slime.core.config import AprilConfig
+from april_slime.core.engine import EngineClient
+from april_slime.core.jsonfile import StateFileError
+from april_slime.core.scheduler import RolloutScheduler, RolloutStepError
+from april_slime.core.transport import HttpTransport, TransportHTTPError
+from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.workbench.emulator.model import LengthModel, SyntheticLM
 from april_slime.workbench.emulator.testing import start_cluster
 from april_slime.workbench.emulator.vclock import run_virtual
-from april_slime.core.engine import EngineClient, HttpTransport, TransportHTTPError
-from april_slime.core.jsonfile import StateFileError
-from april_slime.core.scheduler import RolloutScheduler, RolloutStepError
-from april_slime.core.buffer import PartialBuffer
-from april_slime.core.types import Group, Trajectory, TrajectoryStatus
+from tests.support import slime_standin
 
 SOAK_STEPS = int(os.environ.get("APRIL_SOAK_STEPS", "1000"))
 SEED = 20261123

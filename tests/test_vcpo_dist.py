@@ -8,8 +8,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from april_slime.training.baseline import opob_baseline
+from april_slime.training.grad_norms import PerSampleGradNorms, reduce_per_sample_sq_norms
 from april_slime.training.offpolicy import EssStats, Packing
-from april_slime.vcpo import PerSampleGradNorms, opob_baseline, reduce_per_sample_sq_norms
 
 D, H = 6, 8
 

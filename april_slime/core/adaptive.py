@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:  # imported for annotations only: the controller reads loads by attribute
     from april_slime.core.config import AprilConfig
-    from april_slime.core.engine import EngineLoad
+    from april_slime.core.sglang_protocol import EngineLoad
 
 
 @dataclass

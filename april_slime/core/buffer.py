@@ -16,19 +16,17 @@ Two rules are applied on ``take``:
   the oldest groups first (by ``created_version``, then by arrival); ``stalest`` takes the highest
   staleness first. Ties always keep arrival order.
 
-The buffer is plain data and is saved as JSON with an atomic write (temporary file, fsync,
-``os.replace``, folder fsync), so a process that dies mid-save leaves the previous file intact and
-a restarted job resumes every partial. In a slime job the buffer is saved inside the data source's
-checkpoint file (``april_slime.rollout``), not with ``save`` here.
+The buffer is plain data: ``state_dict`` gives its groups and counters as JSON-ready values and
+``load_state_dict`` validates such a state before replacing anything. It has no files of its own:
+it is persisted only inside the data source's checkpoint file, written and read in the order that
+``april_slime.core.checkpoint`` owns (atomic, so a restarted job resumes every partial).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 from april_slime.core.config import RESUME_PRIORITIES, STALE_ACTIONS
-from april_slime.core.jsonfile import StateFileError, read_json, write_json_atomic
 from april_slime.core.types import Group, TrajectoryStatus
 
 STATE_FORMAT = 1
@@ -159,7 +157,7 @@ class PartialBuffer:
 
         return verl_key
 
-    # ------------------------------------------------------------------ persistence
+    # ------------------------------------------------------------------ state (saved by core.checkpoint)
     def state_dict(self) -> dict[str, Any]:
         """Groups in arrival order plus the counters. The priority / staleness settings are not
         saved: they belong to the job's configuration, which may change across a restart."""
@@ -191,29 +189,6 @@ class PartialBuffer:
             self.put(group)
         for name in _COUNTERS:
             setattr(self, name, int(counters.get(name, 0)))
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the state as JSON atomically: a crash leaves either the old or the new file."""
-        try:
-            write_json_atomic(path, self.state_dict())
-        except ValueError as e:
-            raise ValueError(f"buffer cannot be saved: a group payload or value is not plain JSON "
-                             f"({e})") from e
-
-    def load_into(self, path: str | os.PathLike) -> None:
-        """Load a file written by ``save``; a missing, torn or invalid file raises
-        ``StateFileError`` naming it, and leaves the buffer unchanged."""
-        state = read_json(path)
-        try:
-            self.load_state_dict(state)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise StateFileError(f"{path}: not a valid buffer state ({type(e).__name__}: {e})") from e
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, **kwargs) -> "PartialBuffer":
-        buffer = cls(**kwargs)
-        buffer.load_into(path)
-        return buffer
 
 
 def _check_aligned(t) -> None:

@@ -8,6 +8,11 @@ per-token versions, plus the buffer's counters) and the policy version. slime's 
 ``global_dataset_state_dict_<N>.pt`` is still written, with the same prompt position, so slime's
 tools and slime's own data source read a consistent file.
 
+Who carries it out. ``Checkpoints`` (one per data source) holds the snapshots and performs every
+save and load in the order described here; ``AprilDataSource.snapshot`` / ``save`` / ``load``, the
+calls slime and the rollout function make, delegate to it. It is the only persistence path of the
+partial buffer: ``PartialBuffer`` only turns its contents into plain data and back.
+
 Which state. The state of checkpoint N is the state as of the end of ``generate_rollout(N)``: the
 rollout function calls ``AprilDataSource.snapshot(N)`` when step N's samples are complete, and
 ``save(N)`` writes that snapshot, whatever ran in between. This is what makes a restart from N lose
@@ -56,8 +61,9 @@ Fault injection. ``SAVE_POINT_HOOK`` (a callable taking the point name, or None)
 point; a hook that raises an exception deriving from ``BaseException`` but not ``Exception`` leaves
 the disk exactly as a kill there does (the temporary file is not cleaned up). With the environment
 variable ``APRIL_SLIME_SAVE_KILL_AT=<point>`` the process sends itself SIGKILL at that point: a real
-kill -9 mid-save, for subprocess tests: ``tests/test_save_kill.py`` (``kill_and_restart`` runs a
-worker in either loop order, kills save 2 at a given point, restarts, and checks a ledger).
+kill -9 mid-save, for subprocess tests: ``tests/test_save_kill.py`` (``kill_and_restart`` in
+``tests/support/save_kill.py`` runs a worker in either loop order, kills save 2 at a given point,
+restarts, and checks a ledger).
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import os
 import re
 import signal
@@ -72,7 +79,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from april_slime.core.jsonfile import StateFileError, fsync_dir, fsync_file, remove_stale_tmp
+from april_slime.core.buffer import PartialBuffer
+from april_slime.core.config import AprilConfigError
+from april_slime.core.jsonfile import (
+    StateFileError,
+    fsync_dir,
+    fsync_file,
+    read_json,
+    remove_stale_tmp,
+    write_text_atomic,
+)
+
+logger = logging.getLogger(__name__)
 
 STATE_FORMAT = 2
 READABLE_FORMATS = (1, 2)
@@ -161,6 +179,10 @@ class Snapshot:
                  "prompt_state": position, "buffer": buffer_state}
         return cls(rollout_id, position, state)
 
+    @property
+    def policy_version(self) -> int | None:
+        return self.state["policy_version"]
+
     def text(self) -> str:
         """The complete state file."""
         try:
@@ -224,3 +246,96 @@ def parse_state(path: Path, value: Any, rollout_id: int) -> dict[str, Any]:
     if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
         raise StateFileError(f"{path}: policy_version must be an integer or null, got {version!r}")
     return value
+
+
+# ---------------------------------------------------------------------------- the save and load order
+class Checkpoints:
+    """The checkpoints of one data source: the snapshots of its latest rollouts, and ``save`` /
+    ``load`` in the order of the module docstring.
+
+    ``prompts`` is slime's ``RolloutDataSource`` (its position attributes, ``save`` and ``load``),
+    ``buffer`` the data source's partial buffer. The folders come from ``buffer_dir`` (the
+    ``april_buffer_dir`` setting) or else slime's ``args.save`` / ``args.load``, read at each call.
+    """
+
+    def __init__(self, prompts: Any, buffer: PartialBuffer, args: Any, buffer_dir: str | None) -> None:
+        self.prompts = prompts
+        self.buffer = buffer
+        self.args = args
+        self.buffer_dir = buffer_dir
+        # rollout id -> state at the end of that rollout (the two latest)
+        self._snapshots: dict[int, Snapshot] = {}
+
+    def _state_dir(self, base: str | None) -> Path | None:
+        if self.buffer_dir:
+            return Path(self.buffer_dir)
+        return Path(base) / "rollout" if base else None
+
+    def state_path(self, rollout_id: int, *, for_load: bool = False) -> Path | None:
+        folder = self._state_dir(self.args.load if for_load else self.args.save)
+        return state_file(folder, rollout_id) if folder else None
+
+    def _take(self, rollout_id: int, policy_version: int | None) -> Snapshot:
+        return Snapshot.take(rollout_id, self.prompts, self.buffer.state_dict(), policy_version)
+
+    def snapshot(self, rollout_id: int, policy_version: int | None) -> None:
+        """Record the state as of the end of rollout ``rollout_id``; ``save(rollout_id)`` writes it
+        even when a later rollout has run in between (slime's train_async.py)."""
+        self._snapshots[rollout_id] = self._take(rollout_id, policy_version)
+        for old in sorted(self._snapshots)[:-2]:
+            del self._snapshots[old]
+
+    def save(self, rollout_id: int, policy_version: int | None) -> None:
+        """Write checkpoint ``rollout_id``: its snapshot, else the current state (with
+        ``policy_version``), through the named save points."""
+        path = self.state_path(rollout_id)
+        if path is None:
+            raise AprilConfigError("april_buffer_dir: unset and slime's --save is unset; the partial "
+                                   "buffer has nowhere to be saved")
+        snapshot = self._snapshots.get(rollout_id)
+        if snapshot is None:
+            snapshot = self._take(rollout_id, policy_version)
+        remove_stale_tmp_files(path.parent)
+        at_save_point("begin")
+        with prompt_state_as(self.prompts, snapshot.prompt_state):
+            self.prompts.save(rollout_id)
+        if self.args.save:
+            sync_slime_state(Path(self.args.save) / "rollout", rollout_id)
+        at_save_point("prompt_state_written")
+        write_text_atomic(path, snapshot.text(), at_point=at_save_point)
+        at_save_point("end")
+        logger.info("saved the data-source state of rollout %d (%d buffered groups, %d partial samples) "
+                    "to %s", rollout_id, len(self.buffer), self.buffer.num_partial_trajectories(), path)
+
+    def load(self, rollout_id: int | None) -> Snapshot | None:
+        """Restore checkpoint ``rollout_id``: all of it, or raise ``StateFileError`` naming the file.
+
+        Returns the snapshot of the restored state (its ``policy_version`` is the saved one), or
+        None when only slime's data source was loaded: no checkpoint asked for (``rollout_id`` None
+        or negative), or no folder this job could have saved to.
+        """
+        if rollout_id is None or rollout_id < 0:
+            self.prompts.load(rollout_id)
+            return None
+        path = self.state_path(rollout_id, for_load=True)
+        if path is None:  # no --load and no april_buffer_dir: nothing was ever saved for this job
+            self.prompts.load(rollout_id)
+            return None
+        remove_stale_tmp_files(path.parent)
+        if not path.exists():
+            slime_folder = Path(self.args.load) / "rollout" if self.args.load else None
+            raise missing_state_error(path, rollout_id, slime_folder)
+        state = parse_state(path, read_json(path), rollout_id)
+        try:
+            self.buffer.load_state_dict(state["buffer"])  # validates before replacing anything
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise StateFileError(f"{path}: not a valid buffer state ({type(e).__name__}: {e})") from e
+        if state["format"] >= 2:
+            restore_prompt_state(self.prompts, state["prompt_state"], self.args)
+        else:  # written before the prompt position moved into this file
+            self.prompts.load(rollout_id)
+        self._snapshots = {}
+        self.snapshot(rollout_id, state.get("policy_version"))
+        logger.info("restored %d buffered groups (%d partial samples) and the prompt position from %s",
+                    len(self.buffer), self.buffer.num_partial_trajectories(), path)
+        return self._snapshots[rollout_id]

@@ -28,7 +28,6 @@ from typing import Any
 
 from april_slime.core.keys import SETTING_PREFIX
 
-
 POLICIES = ("sync", "april", "copris")
 STALE_ACTIONS = ("restart", "drop")
 RESUME_PRIORITIES = ("verl", "fifo", "stalest")

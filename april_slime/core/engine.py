@@ -2,15 +2,11 @@
 
 One ``EngineClient`` talks to every rollout engine of a job (or to the emulator that stands in for
 them) through a ``Transport``: ``HttpTransport`` for real servers, or any in-process object with the
-same ``request`` coroutine. The client owns three things and nothing else:
+same ``request`` coroutine (``transport.py``). The client owns:
 
-* the wire format of SGLang's native API (``/generate``, ``/abort_request``, ``/v1/loads``,
-  ``/get_weight_version`` or ``/model_info``, the router's ``/workers``),
-* validation of every request and reply at this boundary: token ids sent must lie in
-  ``[0, vocab_size)`` (on SGLang one out-of-vocabulary input id kills the whole engine), and a
-  reply that breaks the protocol or is plausible but wrong (missing keys, count mismatch, NaN or
-  positive log-prob, a token id outside the vocabulary, another request's id, per-token version
-  spans that do not cover the output) is refused instead of poisoning a trajectory,
+* the calls of SGLang's native API (``/generate``, ``/abort_request``, ``/v1/loads``,
+  ``/get_weight_version`` or ``/model_info``, the router's ``/workers``), each reply validated by
+  ``sglang_protocol.py`` before it is returned, and every token id checked before it is sent,
 * retries with exponential backoff on failures that are safe to retry, and per-engine error
   counters (``stats``) for metrics.
 
@@ -31,22 +27,28 @@ retraction count (only the replies' ``meta_info.num_retractions``).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable
 
-import aiohttp
+from april_slime.core.sglang_protocol import (
+    EngineError,
+    EngineLoad,
+    EngineReplyError,
+    EngineUnavailable,
+    GenerateResult,
+    RequestRejected,
+    check_token_ids,
+    normalise_url,
+    parse_generate_reply,
+    parse_load,
+    parse_weight_version,
+    parse_worker_urls,
+)
+from april_slime.core.transport import HttpTransport, Transport, TransportHTTPError
 
 logger = logging.getLogger(__name__)
-
-FINISH_REASONS = ("stop", "length", "abort")
-
-# Engines compute log-probs in float32; a log-softmax can come out a hair above 0. Anything above
-# this is not a log-probability.
-LOGPROB_TOLERANCE = 1e-4
 
 # Control calls (abort, loads, weight version, worker list) answer at once on a healthy engine; a
 # generate may legitimately run for an hour. They get their own, much shorter, per-call timeout.
@@ -54,141 +56,6 @@ CONTROL_TIMEOUT_S = 30.0
 # An abort is best effort (the request's own reply or deadline settles it): a hung abort must not
 # hold anything up for long.
 ABORT_TIMEOUT_S = 5.0
-
-
-class EngineError(RuntimeError):
-    """An engine call failed; the message names the engine and the reason."""
-
-
-class EngineUnavailable(EngineError):
-    """Connection errors, HTTP 5xx or timeouts that outlasted every retry."""
-
-
-class EngineReplyError(EngineError):
-    """The engine answered, but the reply breaks the protocol (missing keys, counts, NaN)."""
-
-
-class RequestRejected(EngineError):
-    """The request itself is wrong: the engine answered HTTP 4xx (``status``), or the client
-    refused to send it (``status`` None; e.g. a token id outside the vocabulary). Resending the
-    same request, to this engine or another, cannot help."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-
-class TransportHTTPError(Exception):
-    """An engine answered with a non-2xx status; ``body`` is its decoded JSON (or text) reply."""
-
-    def __init__(self, status: int, body):
-        super().__init__(f"HTTP {status}: {body}")
-        self.status = status
-        self.body = body
-
-
-class Transport(Protocol):
-    """Moves one JSON request to an engine and returns its decoded JSON reply.
-
-    Raises ``TransportHTTPError(status, body)`` on a non-2xx reply, ``ConnectionError``/``OSError``
-    when the engine cannot be reached or drops the connection, ``asyncio.TimeoutError`` when
-    ``timeout_s`` passes, and ``ValueError`` when a 2xx body is not JSON. An empty 2xx body (SGLang's
-    ``/abort_request``) is returned as ``None``.
-    """
-
-    async def request(
-        self, method: str, url: str, path: str, payload: dict | None, timeout_s: float
-    ) -> dict: ...
-
-
-class HttpTransport:
-    """``Transport`` over aiohttp with one shared session (connection pooling across requests).
-
-    The session is created on first use, inside the running loop, so the transport can be built
-    anywhere. Connection limits are lifted: the scheduler decides how many requests are in flight,
-    and a pool cap here would silently queue them behind the client's timeout.
-    """
-
-    def __init__(self) -> None:
-        self._session: aiohttp.ClientSession | None = None
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
-                # per-request timeouts are passed to every call
-                timeout=aiohttp.ClientTimeout(total=None),
-            )
-        return self._session
-
-    async def request(
-        self, method: str, url: str, path: str, payload: dict | None, timeout_s: float
-    ) -> Any:
-        session = self._get_session()
-        try:
-            async with session.request(
-                method,
-                url.rstrip("/") + path,
-                json=payload,
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-            ) as response:
-                text = await response.text()
-                status = response.status
-        except asyncio.TimeoutError:
-            raise
-        except aiohttp.ClientError as exc:
-            # ClientConnectorError is already an OSError, but a server that drops the connection
-            # mid-reply raises ServerDisconnectedError, which is not: normalise both.
-            raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
-        if not 200 <= status < 300:
-            try:
-                body: Any = json.loads(text)
-            except ValueError:
-                body = text
-            raise TransportHTTPError(status, body)
-        if not text.strip():
-            return None
-        try:
-            return json.loads(text)
-        except ValueError as exc:
-            raise ValueError(f"reply is not JSON: {text[:200]!r}") from exc
-
-    async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
-
-
-@dataclass
-class GenerateResult:
-    output_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # stop | length | abort
-    weight_version: int  # the engine's version when the reply was made
-    prompt_tokens: int | None  # None: aborted while still queued (SGLang then omits it)
-    completion_tokens: int
-    engine_url: str
-    # policy version of every output token, run-length encoded [[version, count], ...]; from
-    # meta_info.weight_versions when the engine sends it, else every token gets weight_version
-    version_runs: list[list[int]] | None = None
-    retractions: int = 0  # meta_info.num_retractions: times the engine retracted this request
-
-    def __post_init__(self) -> None:
-        if self.version_runs is None:
-            self.version_runs = [[self.weight_version, len(self.output_ids)]] if self.output_ids else []
-
-
-@dataclass
-class EngineLoad:
-    url: str
-    num_running: int
-    num_waiting: int
-    used_tokens: int
-    capacity_tokens: int
-    # cumulative since the engine started (the emulator's /v1/loads); SGLang 0.5.23 reports
-    # retractions only per request, so there it is the sum of meta_info.num_retractions over the
-    # replies this client received from the engine
-    retractions: int
 
 
 @dataclass
@@ -209,10 +76,6 @@ class EngineStats:
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
-
-
-def _normalise_url(url: str) -> str:
-    return url.rstrip("/")
 
 
 async def _call_with_retries(
@@ -279,248 +142,20 @@ async def _call_with_retries(
     )
 
 
-def _parse_weight_version(value: Any, where: str) -> int:
-    if value is None:
-        raise EngineReplyError(
-            f"{where}: reply carries no weight_version; the engine must be an SGLang build that "
-            "reports weight versions (meta_info.weight_version and /get_weight_version)"
-        )
-    if isinstance(value, bool):
-        raise EngineReplyError(f"{where}: weight_version {value!r} is not an integer")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        # SGLang's --weight-version defaults to the string "default" until the trainer pushes its
-        # first update; slime counts weight versions from 0, so that is version 0.
-        if value == "default":
-            return 0
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    raise EngineReplyError(f"{where}: weight_version {value!r} is not an integer")
 
 
-def _require_int(value: Any, name: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise EngineReplyError(f"{where}: {name} must be a non-negative integer, got {value!r}")
-    return value
 
 
-def _split_logprob_triples(triples: list, where: str) -> tuple[list[float], list[int]]:
-    """``[[logprob, token_id, text], ...]`` -> (log-probs, token ids), every entry checked.
-
-    Replies run to tens of thousands of tokens, so the common well-formed case is checked with
-    whole-list operations (a sum is finite only if every term is); anything unusual goes through
-    the per-position loop, which names the first bad position.
-    """
-    if all(type(t) is list and len(t) >= 2 and type(t[0]) is float and type(t[1]) is int
-           for t in triples):
-        logprobs = [t[0] for t in triples]
-        if math.isfinite(sum(logprobs)) and (not logprobs or max(logprobs) <= LOGPROB_TOLERANCE):
-            return logprobs, [t[1] for t in triples]
-    logprobs, token_ids = [], []
-    for pos, triple in enumerate(triples):
-        if not isinstance(triple, (list, tuple)) or len(triple) < 2:
-            raise EngineReplyError(
-                f"{where}: output_token_logprobs[{pos}] is not a [logprob, token_id, text] triple: "
-                f"{triple!r}"
-            )
-        logprob, token_id = triple[0], triple[1]
-        if isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
-            raise EngineReplyError(f"{where}: log-prob at position {pos} is {logprob!r}")
-        if not math.isfinite(logprob):
-            raise EngineReplyError(f"{where}: log-prob at position {pos} is not finite ({logprob})")
-        if logprob > LOGPROB_TOLERANCE:
-            raise EngineReplyError(
-                f"{where}: log-prob at position {pos} is {logprob} > 0, not a log-probability"
-            )
-        if isinstance(token_id, bool) or not isinstance(token_id, int):
-            raise EngineReplyError(f"{where}: token id at position {pos} is {token_id!r}")
-        logprobs.append(float(logprob))
-        token_ids.append(token_id)
-    return logprobs, token_ids
 
 
-def check_token_ids(ids: list[int], vocab_size: int | None, what: str) -> None:
-    """Every id must be an int in ``[0, vocab_size)`` (any int >= 0 when the size is unknown).
-    Raises ``ValueError`` naming the first bad position."""
-    if not ids:
-        return
-    if all(type(t) is int for t in ids):
-        low, high = min(ids), max(ids)
-        if low >= 0 and (vocab_size is None or high < vocab_size):
-            return
-    for pos, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (
-                vocab_size is not None and t >= vocab_size):
-            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-            raise ValueError(f"{what}: token id {t!r} at position {pos} is not an integer in {bound}")
 
 
-def _parse_version_spans(spans: Any, n: int, where: str) -> list[list[int]]:
-    """SGLang's ``meta_info.weight_versions`` -> ``[[version, count], ...]`` over ``n`` output
-    tokens. The spans must tile ``[0, n)`` in order (empty spans allowed)."""
-    if not isinstance(spans, list) or not spans:
-        raise EngineReplyError(f"{where}: meta_info.weight_versions is not a non-empty list: {spans!r}")
-    runs: list[list[int]] = []
-    pos = 0
-    for i, span in enumerate(spans):
-        if not isinstance(span, dict):
-            raise EngineReplyError(f"{where}: weight_versions[{i}] is not an object: {span!r}")
-        start, end = span.get("start"), span.get("end")
-        if (isinstance(start, bool) or isinstance(end, bool) or not isinstance(start, int)
-                or not isinstance(end, int) or start != pos or end < start or end > n):
-            raise EngineReplyError(
-                f"{where}: weight_versions[{i}] = {span!r} does not continue the spans at token "
-                f"{pos} within {n} output tokens"
-            )
-        version = _parse_weight_version(span.get("version"), f"{where} weight_versions[{i}]")
-        if end > start:
-            if runs and runs[-1][0] == version:
-                runs[-1][1] += end - start
-            else:
-                runs.append([version, end - start])
-        pos = end
-    if pos != n:
-        raise EngineReplyError(f"{where}: weight_versions cover {pos} of {n} output tokens")
-    return runs
 
 
-def parse_generate_reply(
-    reply: Any, *, engine_url: str, rid: str, max_new_tokens: int, vocab_size: int | None = None
-) -> GenerateResult:
-    """Validate one SGLang ``/generate`` reply and turn it into a ``GenerateResult``."""
-    where = f"engine {engine_url} rid {rid}"
-    if not isinstance(reply, dict):
-        raise EngineReplyError(f"{where}: reply is a {type(reply).__name__}, not a JSON object")
-    meta = reply.get("meta_info")
-    if not isinstance(meta, dict):
-        raise EngineReplyError(f"{where}: reply has no meta_info object")
-    reply_rid = meta.get("id")
-    if reply_rid is not None and reply_rid != rid:
-        raise EngineReplyError(f"{where}: reply belongs to another request (meta_info.id={reply_rid!r})")
-
-    finish = meta.get("finish_reason")
-    finish_type = finish.get("type") if isinstance(finish, dict) else None
-    if finish_type not in FINISH_REASONS:
-        raise EngineReplyError(
-            f"{where}: meta_info.finish_reason must be an object with type in {FINISH_REASONS}, "
-            f"got {finish!r}"
-        )
-
-    triples = meta.get("output_token_logprobs")
-    if triples is None and finish_type == "abort" and not reply.get("output_ids"):
-        triples = []  # aborted before any token: some builds send no log-prob list at all
-    if not isinstance(triples, list):
-        raise EngineReplyError(
-            f"{where}: meta_info.output_token_logprobs missing or not a list (was the request sent "
-            "with return_logprob=true?)"
-        )
-    logprobs, triple_ids = _split_logprob_triples(triples, where)
-
-    output_ids = reply.get("output_ids")
-    if output_ids is None:
-        output_ids = triple_ids
-    elif not isinstance(output_ids, list) or not all(type(t) is int for t in output_ids):
-        raise EngineReplyError(f"{where}: output_ids is not a list of integers")
-    if len(output_ids) != len(triples):
-        raise EngineReplyError(
-            f"{where}: {len(output_ids)} output_ids but {len(triples)} output_token_logprobs"
-        )
-    if output_ids != triple_ids:
-        pos = next(i for i, (a, b) in enumerate(zip(output_ids, triple_ids)) if a != b)
-        raise EngineReplyError(
-            f"{where}: output_token_logprobs[{pos}] is for token {triple_ids[pos]}, "
-            f"output_ids has {output_ids[pos]}"
-        )
-    try:
-        check_token_ids(output_ids, vocab_size, f"{where}: output_ids")
-    except ValueError as exc:
-        raise EngineReplyError(str(exc)) from None
-
-    completion = meta.get("completion_tokens")
-    if completion is None and finish_type == "abort" and not output_ids:
-        completion = 0
-    completion_tokens = _require_int(completion, "completion_tokens", where)
-    if completion_tokens != len(output_ids):
-        raise EngineReplyError(
-            f"{where}: completion_tokens={completion_tokens} but {len(output_ids)} tokens returned"
-        )
-    if len(output_ids) > max_new_tokens:
-        raise EngineReplyError(
-            f"{where}: {len(output_ids)} tokens returned, more than max_new_tokens={max_new_tokens}"
-        )
-    prompt_tokens = meta.get("prompt_tokens")
-    if prompt_tokens is not None or finish_type != "abort" or output_ids:
-        # only a request aborted while still queued comes back without prompt_tokens
-        prompt_tokens = _require_int(prompt_tokens, "prompt_tokens", where)
-    weight_version = _parse_weight_version(meta.get("weight_version"), where)
-    retractions = meta.get("num_retractions", 0)
-    if isinstance(retractions, bool) or not isinstance(retractions, int) or retractions < 0:
-        retractions = 0  # informational only; never a reason to drop a reply
-    spans = meta.get("weight_versions")
-    version_runs = (_parse_version_spans(spans, len(output_ids), where) if spans is not None
-                    else None)
-
-    return GenerateResult(
-        output_ids=list(output_ids),
-        logprobs=logprobs,
-        finish_reason=finish_type,
-        weight_version=weight_version,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        engine_url=engine_url,
-        version_runs=version_runs,
-        retractions=retractions,
-    )
 
 
-def _parse_worker_urls(reply: Any, router_url: str) -> list[str]:
-    """Accept ``{"urls": [...]}``, ``{"workers": [...]}`` or a bare list; items are URLs or
-    objects with a ``url`` key (the shapes of sglang-router's and its gateway's worker lists)."""
-    if isinstance(reply, dict):
-        items = reply.get("urls", reply.get("workers"))
-    else:
-        items = reply
-    if not isinstance(items, list):
-        raise EngineReplyError(f"router {router_url} GET /workers: no worker list in {reply!r}")
-    urls = []
-    for item in items:
-        url = item.get("url") if isinstance(item, dict) else item
-        if not isinstance(url, str) or not url:
-            raise EngineReplyError(f"router {router_url} GET /workers: bad worker entry {item!r}")
-        urls.append(_normalise_url(url))
-    return urls
 
 
-def _parse_load(reply: Any, url: str, retractions_in_replies: int = 0) -> EngineLoad:
-    """SGLang reports one entry per data-parallel rank; an engine's load is their sum. Without a
-    ``num_retractions`` entry (SGLang 0.5.23) the retractions are those the replies reported."""
-    entries = reply.get("loads") if isinstance(reply, dict) else None
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise EngineReplyError(f"engine {url} GET /v1/loads: no list of loads in {reply!r}")
-
-    def total(key: str) -> int:
-        value = 0
-        for entry in entries:
-            item = entry.get(key, 0)
-            if item is None:
-                item = 0
-            if isinstance(item, bool) or not isinstance(item, (int, float)) or item < 0:
-                raise EngineReplyError(f"engine {url} GET /v1/loads: {key}={item!r}")
-            value += int(item)
-        return value
-
-    return EngineLoad(
-        url=url,
-        num_running=total("num_running_reqs"),
-        num_waiting=total("num_waiting_reqs"),
-        used_tokens=total("num_used_tokens"),
-        capacity_tokens=total("max_total_num_tokens"),
-        retractions=(total("num_retractions") if any("num_retractions" in e for e in entries)
-                     else retractions_in_replies),
-    )
 
 
 class EngineClient:
@@ -547,7 +182,7 @@ class EngineClient:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         if retry_backoff_s < 0:
             raise ValueError(f"retry_backoff_s must be >= 0, got {retry_backoff_s}")
-        self.engine_urls = [_normalise_url(u) for u in engine_urls]
+        self.engine_urls = [normalise_url(u) for u in engine_urls]
         self._owns_transport = transport is None
         self.transport: Transport = transport if transport is not None else HttpTransport()
         self.timeout_s = timeout_s
@@ -567,7 +202,7 @@ class EngineClient:
         as the job's only engine, with a warning; anything else fails with an error saying that a
         router URL is expected.
         """
-        router_url = _normalise_url(router_url)
+        router_url = normalise_url(router_url)
         transport = kw.pop("transport", None)
         owns_transport = transport is None
         if owns_transport:
@@ -585,7 +220,7 @@ class EngineClient:
                     retry_backoff_s=kw.get("retry_backoff_s", 1.0),
                     stats=EngineStats(),
                 )
-                urls = _parse_worker_urls(reply, router_url)
+                urls = parse_worker_urls(reply, router_url)
             except RequestRejected as exc:
                 if exc.status != 404:
                     raise
@@ -672,7 +307,7 @@ class EngineClient:
         ``sampling_seed`` unless the server runs with deterministic inference, so a retried call
         draws a fresh continuation (equally valid, from the same policy; greedy decoding repeats).
         """
-        engine_url = _normalise_url(engine_url)
+        engine_url = normalise_url(engine_url)
         if max_new_tokens < 1:
             raise ValueError(f"rid {rid}: max_new_tokens must be >= 1, got {max_new_tokens}")
         if not input_ids:
@@ -744,7 +379,7 @@ class EngineClient:
         response with finish reason "abort". Raises after retries; callers that treat an abort as
         best effort pass a short ``timeout_s`` and ``max_retries=0`` and catch ``EngineError``.
         The reply body is not read (SGLang answers 200 with an empty body)."""
-        engine_url = _normalise_url(engine_url)
+        engine_url = normalise_url(engine_url)
         if (rid is None) == (not abort_all):
             raise ValueError("abort needs exactly one of rid or abort_all=True")
         payload: dict = {"abort_all": True} if abort_all else {"rid": rid}
@@ -760,7 +395,7 @@ class EngineClient:
         ``/health_generate`` does). One attempt; raises ``EngineError`` when the engine fails it.
         An engine that accepts requests but never answers fails here, where ``/health`` alone
         could still answer."""
-        engine_url = _normalise_url(engine_url)
+        engine_url = normalise_url(engine_url)
         payload = {
             "input_ids": [0],
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
@@ -781,7 +416,7 @@ class EngineClient:
                 url, "GET", "/v1/loads", None, timeout_s=self.control_timeout_s
             )
             return self._counting_reply_errors(
-                url, _parse_load, reply, url, self._stats(url).retractions_in_replies)
+                url, parse_load, reply, url, self._stats(url).retractions_in_replies)
 
         # Every query runs to its end (no task is left behind unobserved); the first failure wins.
         results = await asyncio.gather(
@@ -793,7 +428,7 @@ class EngineClient:
         return list(results)
 
     async def weight_version(self, engine_url: str) -> int:
-        engine_url = _normalise_url(engine_url)
+        engine_url = normalise_url(engine_url)
         path = "/get_weight_version"
         try:
             reply = await self._call(engine_url, "GET", path, None, timeout_s=self.control_timeout_s)
@@ -807,7 +442,7 @@ class EngineClient:
             reply = await self._call(engine_url, "GET", path, None, timeout_s=self.control_timeout_s)
         value = reply.get("weight_version") if isinstance(reply, dict) else None
         return self._counting_reply_errors(
-            engine_url, _parse_weight_version, value, f"engine {engine_url} GET {path}"
+            engine_url, parse_weight_version, value, f"engine {engine_url} GET {path}"
         )
 
     async def close(self) -> None:

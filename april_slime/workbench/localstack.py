@@ -3,7 +3,7 @@
 What slime jobs run (SGLang engines behind ``sglang-router``), shrunk to one machine without a GPU
 and without network: the real test tier, ``april-slime demo`` and the calibration tests build on it.
 
-    build_tiny_qwen3(dir)                     # random Qwen3 + a locally trained tokenizer
+    build_tiny_qwen3(dir)                     # tiny_qwen3: random Qwen3 + a locally trained tokenizer
     with local_stack(dir, n_engines=2) as s:  # engines + router on free loopback ports
         s.router_url, s.engine_urls
 
@@ -15,10 +15,11 @@ Engines run SGLang 0.5.23 on CPU (``SGLANG_USE_CPU_ENGINE=1``, ``--device cpu --
 torch_native --sampling-backend pytorch --disable-cuda-graph --dtype float32``), which needs the
 environment ``scripts/real-stack/setup.sh`` builds; ``real_stack_missing()`` says what is absent.
 Every server binds a port chosen at run time and runs in its own process group, which ``stop()``
-(or leaving the ``with`` block) kills whole.
+(or leaving the ``with`` block) kills whole. slime's rollout side on top of it is
+``rollout_manager``'s.
 
-Only the standard library is imported at module level; transformers / tokenizers / torch are
-imported by ``build_tiny_qwen3`` when it runs.
+Only the standard library is imported at module level (``tiny_qwen3`` imports torch and
+transformers when it builds a model).
 """
 
 from __future__ import annotations
@@ -40,26 +41,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from april_slime.workbench.tiny_qwen3 import build_tiny_qwen3
+
 __all__ = [
     "LocalEngine",
     "LocalRouter",
     "LocalStack",
     "ServerStartError",
-    "build_tiny_qwen3",
     "local_stack",
-    "SlimeRolloutManager",
     "real_stack_missing",
-    "slime_args",
-    "tiny_corpus",
 ]
-
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-EOS_TOKEN = "<|im_end|>"
-PAD_TOKEN = "<|endoftext|>"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 # The flags that make SGLang 0.5.23 serve on CPU from PyPI wheels (see scripts/real-stack/README.md).
 CPU_ENGINE_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
@@ -86,130 +77,6 @@ def real_stack_missing() -> str | None:
         if meta.exists() and '@torch.library.register_fake("torchvision::nms")\n' in meta.read_text(encoding="utf-8"):
             return f"torchvision's nms fake registration is unguarded ({meta}), so SGLang cannot import; {fix}"
     return None
-
-
-# ====================================================================== tiny model
-def tiny_corpus(n: int = 6000, seed: int = 0) -> list[str]:
-    """Deterministic short texts (arithmetic questions and answers, number words) to train the
-    tokenizer on: enough distinct strings for a 2K-token BPE vocabulary."""
-    import random
-
-    rng = random.Random(seed)
-    words = ("zero one two three four five six seven eight nine ten eleven twelve plus minus times "
-             "equals answer question what is the sum of and product difference between number "
-             "result think step first then finally so therefore because check again box").split()
-    texts = []
-    for _ in range(n):
-        a, b = rng.randint(0, 999), rng.randint(0, 999)
-        op, value = rng.choice([("+", a + b), ("-", a - b), ("*", a * b)])
-        phrase = " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
-        texts.append(f"Question: what is {a} {op} {b}? {phrase}. Answer: \\boxed{{{value}}}")
-    return texts
-
-
-def build_tiny_qwen3(out_dir: str | os.PathLike, *, texts: Sequence[str] | None = None, tokenizer: Any = None,
-                     vocab_size: int = 2048, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                     num_kv_heads: int = 2, head_dim: int = 16, seed: int = 0,
-                     eos_rate: float | None = None) -> Path:
-    """Save a random Qwen3 and its tokenizer to ``out_dir`` (``save_pretrained``); no hub access.
-
-    The tokenizer is ``tokenizer`` when given, else a byte-level BPE trained here on ``texts``
-    (default ``tiny_corpus()``) up to ``vocab_size`` tokens, with Qwen's special tokens and EOS
-    ``<|im_end|>``. The model's vocabulary is the tokenizer's size, so every id it samples decodes.
-
-    ``eos_rate``: when set, the weights are shaped so that sampling at temperature 1 ends a response
-    with about this probability per token (lengths spread geometrically: a long tail under a
-    budget); the other tokens' logits get a standard deviation of 2 so the distribution is not flat.
-    Unset, EOS is as likely as any token (about 1/vocab) and nearly every response runs to its
-    budget. Deterministic for a given ``seed``.
-    """
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if tokenizer is None:
-        tokenizer = _train_tokenizer(list(texts) if texts is not None else tiny_corpus(seed=seed), vocab_size)
-    eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else None
-    if eos_id is None:
-        raise ValueError("the tokenizer has no eos_token")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        head_dim=head_dim, max_position_embeddings=4096, tie_word_embeddings=False, torch_dtype="float32",
-        bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).eval()
-    if eos_rate is not None:
-        if not 0.0 < eos_rate < 1.0:
-            raise ValueError(f"eos_rate must lie in (0, 1), got {eos_rate}")
-        _shape_eos(model, eos_id, eos_rate, seed)
-    model.generation_config.eos_token_id = eos_id
-    model.generation_config.pad_token_id = pad_id
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def _train_tokenizer(texts: list[str], vocab_size: int) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    if not texts:
-        raise ValueError("texts is empty: the tokenizer needs something to train on")
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(texts, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
-
-
-def _shape_eos(model: Any, eos_id: int, eos_rate: float, seed: int) -> None:
-    """Make hidden dimension 0 a constant the layers never write (embedding column 0 constant,
-    row 0 of every attention / MLP output projection zero), read only by the EOS row of the
-    untied LM head. The EOS logit is then ``w * h0`` with ``h0`` (dimension 0 after the final RMS
-    norm) nearly constant, and ``w`` is solved so the mean EOS probability over random contexts is
-    ``eos_rate``."""
-    import torch
-
-    inner = model.model
-    with torch.no_grad():
-        emb = inner.embed_tokens.weight
-        emb[:, 0] = emb[:, 1:].norm(dim=1).mean()
-        for layer in inner.layers:
-            layer.self_attn.o_proj.weight[0, :] = 0
-            layer.mlp.down_proj.weight[0, :] = 0
-        head = model.lm_head.weight
-        head[:, 0] = 0
-        head[eos_id] = 0
-        g = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, emb.shape[0], (8, 64), generator=g)
-        h = inner(input_ids=ids).last_hidden_state.reshape(-1, emb.shape[1])
-        logits = h @ head.T
-        others = torch.ones(emb.shape[0], dtype=torch.bool)
-        others[eos_id] = False
-        head[others] *= 2.0 / logits[:, others].std()
-        log_z = torch.logsumexp((h @ head.T)[:, others], dim=1)
-        h0 = h[:, 0]
-
-        def rate(w: float) -> float:
-            return float(torch.sigmoid(w * h0 - log_z).mean())
-
-        lo, hi = 0.0, 1.0
-        while rate(hi) < eos_rate:
-            hi *= 2.0
-            if hi > 1e6:
-                raise RuntimeError("cannot reach the requested eos_rate")
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if rate(mid) < eos_rate else (lo, mid)
-        head[eos_id, 0] = (lo + hi) / 2
 
 
 # ====================================================================== servers
@@ -482,90 +349,6 @@ def local_stack(model_path: str | os.PathLike, n_engines: int = 1, *, router_kwa
             router.stop()
         for engine in engines:
             engine.stop()
-
-
-# ====================================================================== slime on the local stack
-def slime_args(argv: list[str], **overrides: Any) -> argparse.Namespace:
-    """Arguments as slime's own parser builds them (its rollout + SGLang/router groups; the
-    Megatron training groups are not needed on the rollout side), then ``overrides``, then slime's
-    own validation (derived defaults: eval function, over-sampling size, ``--custom-config-path``)."""
-    from slime.backends.sglang_utils.arguments import add_sglang_arguments
-    from slime.utils.arguments import get_slime_extra_args_provider, slime_validate_args
-
-    parser = argparse.ArgumentParser(allow_abbrev=False)
-    get_slime_extra_args_provider()(parser)
-    add_sglang_arguments(parser)
-    # the mode flags slime's parse_args reads in a pre-pass
-    parser.add_argument("--train-backend", default="megatron")
-    parser.add_argument("--debug-rollout-only", action="store_true")
-    parser.add_argument("--debug-train-only", action="store_true")
-    parser.add_argument("--load-debug-rollout-data", default=None)
-    args = parser.parse_args(argv)
-    for key, value in overrides.items():
-        setattr(args, key, value)
-    slime_validate_args(args)  # slime's own derived defaults (eval path, over-sampling, custom config)
-    return args
-
-
-class SlimeRolloutManager:
-    """slime's own ``RolloutManager`` methods (unwrapped from the Ray actor class) on an instance
-    built like its ``__init__`` minus Ray and engine start-up: the engines are ``real_stack``'s.
-
-    ``generate`` does what ``RolloutManager.generate`` does up to the DP split (which needs Ray):
-    ``call_rollout_fn`` on ``--rollout-function-path`` with the data source of
-    ``--data-source-path``, slime's rollout logging, and the conversion to train data (which
-    checks the sample contract: loss-mask lengths, rewards, rollout log-probs)."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        from slime.ray.rollout import RolloutManager
-        from slime.utils.misc import load_function
-
-        from slime.utils.http_utils import init_http_client
-
-        from slime.rollout.sglang_rollout import GenerateState
-
-        init_http_client(args)  # slime's HTTP client to the router, as RolloutManager.__init__ makes it
-        # slime builds its rollout state (tokenizer, sampling parameters, semaphore) once per
-        # process, from the first job's arguments. A manager here stands for a job process of its
-        # own, so it must not inherit another job's: another model's tokenizer, say.
-        GenerateState._instances.pop(GenerateState, None)
-        raw = RolloutManager.__ray_metadata__.modified_class.__mro__[1]
-        assert raw.__name__ == "RolloutManager", raw
-        self.cls = raw
-        self.manager = m = object.__new__(raw)
-        m.pg, m.args, m.servers = None, args, {}
-        m.data_source = load_function(args.data_source_path)(args)
-        m.generate_rollout = load_function(args.rollout_function_path)
-        m.eval_generate_rollout = load_function(args.eval_function_path)
-        m.custom_reward_post_process_func = None
-        m.custom_convert_samples_to_train_data_func = None
-        m.rollout_id = -1
-        m._health_monitors = []
-
-    @property
-    def data_source(self) -> Any:
-        return self.manager.data_source
-
-    def generate(self, rollout_id: int) -> tuple[list[Any], dict, dict]:
-        """(flattened samples, rollout metrics, train data) of one rollout step."""
-        from slime.observability.rollout_metrics import log_rollout_data
-
-        m = self.manager
-        start = time.time()
-        m.rollout_id = rollout_id
-        samples, metrics = self.cls._get_rollout_data(m, rollout_id=rollout_id)
-        log_rollout_data(rollout_id, m.args, samples, metrics, time.time() - start)
-        train = self.cls._convert_samples_to_train_data(m, samples)
-        return samples, metrics or {}, train
-
-    def eval(self, rollout_id: int) -> None:
-        self.cls.eval(self.manager, rollout_id)
-
-    def save(self, rollout_id: int) -> None:
-        self.cls.save(self.manager, rollout_id)
-
-    def load(self, rollout_id: int | None = None) -> None:
-        self.cls.load(self.manager, rollout_id)
 
 
 # ====================================================================== command line

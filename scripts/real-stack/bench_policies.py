@@ -31,7 +31,9 @@ from pathlib import Path
 import yaml
 
 from april_slime import rollout
-from april_slime.workbench.localstack import SlimeRolloutManager, build_tiny_qwen3, local_stack, real_stack_missing, slime_args
+from april_slime.workbench.localstack import local_stack, real_stack_missing
+from april_slime.workbench.rollout_manager import SlimeRolloutManager, slime_args
+from april_slime.workbench.tiny_qwen3 import build_tiny_qwen3
 
 POLICIES = ("sync", "april", "copris")
 
@@ -51,7 +53,7 @@ class LoadMonitor:
             for url in self.urls:
                 try:
                     with urllib.request.urlopen(f"{url}/v1/loads", timeout=5) as r:
-                        running += sum(l["num_running_reqs"] for l in json.loads(r.read())["loads"])
+                        running += sum(e["num_running_reqs"] for e in json.loads(r.read())["loads"])
                 except OSError:
                     pass
             self.samples.append((time.monotonic(), running))

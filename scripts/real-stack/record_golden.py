@@ -19,7 +19,8 @@ import urllib.request
 from pathlib import Path
 
 from april_slime.workbench.emulator.testing import golden_replies
-from april_slime.workbench.localstack import LocalEngine, build_tiny_qwen3, real_stack_missing
+from april_slime.workbench.localstack import LocalEngine, real_stack_missing
+from april_slime.workbench.tiny_qwen3 import build_tiny_qwen3
 
 OUT = Path(__file__).resolve().parents[2] / "tests" / "data" / "sglang-0.5.23-golden.json"
 

@@ -69,7 +69,7 @@ printf '%s\n' "$base_site" > "$site/april_real_stack.pth"
 
 vpip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${vpip[@]}" --no-deps -e "$repo"
-"${vpip[@]}" -c "$here/constraints-cpu.txt" pytest pytest-asyncio pytest-timeout matplotlib
+"${vpip[@]}" -c "$here/constraints-cpu.txt" pytest pytest-asyncio pytest-timeout matplotlib ruff==0.17.6
 
 slime_src="${SLIME_DIR:-}"
 if [[ -z "$slime_src" ]]; then

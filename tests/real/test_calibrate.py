@@ -9,9 +9,9 @@ import json
 import os
 
 from april_slime.workbench.bench import EngineSpec, Workload, run_benchmark
-from april_slime.workbench.bench.calibrate import compare, main as calibrate_main
-
-from real_tier import MAX_TOTAL_TOKENS
+from april_slime.workbench.bench.calibrate import compare
+from april_slime.workbench.bench.calibrate import main as calibrate_main
+from tests.support.real_tier import MAX_TOTAL_TOKENS
 
 
 def test_calibrate_measures_the_real_engine(real_stack, tmp_path, capsys):

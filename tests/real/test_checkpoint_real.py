@@ -8,15 +8,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-TESTS = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(TESTS))
 
 pytestmark = pytest.mark.real
 
@@ -25,12 +20,11 @@ try:
 except ImportError as e:  # one line, as the real tier reports what it could not run
     pytest.skip(f"real slime is not importable ({e})", allow_module_level=True)
 
-import slime_standin  # noqa: E402
-import test_rollout_slime as base  # noqa: E402
-import test_save_kill  # noqa: E402
-
 from april_slime import rollout  # noqa: E402
 from april_slime.core.config import AprilConfigError, check_keys  # noqa: E402
+from tests.support import child_process_kwargs, slime_standin  # noqa: E402
+from tests.support.save_kill import kill_and_restart  # noqa: E402
+from tests.support.slime_jobs import make_args, restart_from_n_loses_and_repeats_nothing  # noqa: E402
 
 
 @pytest.fixture
@@ -42,15 +36,6 @@ def slime_mode(monkeypatch):
 
 
 @pytest.fixture
-def cluster(slime_mode):
-    c = base.Cluster()
-    c.bump(1)
-    yield c
-    rollout.shutdown()
-    c.stop()
-
-
-@pytest.fixture
 def prompts(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"Q{i:03d}", "label": str(i)}) + "\n" for i in range(40)))
@@ -59,13 +44,13 @@ def prompts(tmp_path):
 
 @pytest.mark.parametrize("loop", ["train", "train_async"])
 def test_a_restart_from_n_loses_and_repeats_nothing_on_real_slime(cluster, tmp_path, prompts, loop):
-    base.test_a_restart_from_n_loses_and_repeats_nothing(cluster, tmp_path, prompts, loop)
+    restart_from_n_loses_and_repeats_nothing(cluster, tmp_path, prompts, loop)
 
 
 def test_snapshot_across_a_shuffled_epoch_restores_slimes_order(slime_mode, tmp_path, prompts):
     """train_async order across an epoch boundary with --rollout-shuffle: the restarted job hands out
     the prompts the first job's rollout N+1 had taken, in the same shuffled order."""
-    args = base.make_args(tmp_path, prompts, rollout_shuffle=True)
+    args = make_args(tmp_path, prompts, rollout_shuffle=True)
     source = rollout.AprilDataSource(args)
     source.next_groups(36, 1)
     source.snapshot(0)
@@ -77,7 +62,7 @@ def test_snapshot_across_a_shuffled_epoch_restores_slimes_order(slime_mode, tmp_
     slime_file = torch.load(tmp_path / "ckpt" / "rollout" / "global_dataset_state_dict_0.pt")
     assert (slime_file["sample_offset"], slime_file["epoch_id"]) == (36, 0)
 
-    restarted = rollout.AprilDataSource(base.make_args(tmp_path, prompts, rollout_shuffle=True, load=args.save))
+    restarted = rollout.AprilDataSource(make_args(tmp_path, prompts, rollout_shuffle=True, load=args.save))
     restarted.next_groups(3, 1)  # the fresh process's dataset is in epoch 0's order already
     restarted.load(0)
     again = [g.payload["prompt_sample"]["prompt"] for g in restarted.next_groups(8, 1)]
@@ -89,7 +74,7 @@ def test_sigkill_mid_save_on_real_slime(tmp_path, point):
     prompts = tmp_path / "prompts.jsonl"
     # few enough prompts that the restarted run wraps into a shuffled second epoch
     prompts.write_text("".join(json.dumps({"prompt": f"P{i:03d}"}) + "\n" for i in range(14)))
-    test_save_kill.kill_and_restart(tmp_path, str(prompts), "train_async", point, slime="real", shuffle=True)
+    kill_and_restart(tmp_path, str(prompts), "train_async", point, slime="real", shuffle=True)
 
 
 # ------------------------------------------------------------------ kills on the real engines
@@ -108,7 +93,7 @@ def test_sigkill_on_real_engines_then_restart_loses_and_repeats_nothing(real_sta
     exactly once or is still buffered, none is lost, and the restored buffer is checkpoint 0's."""
     from april_slime.core import checkpoint
     from april_slime.core.jsonfile import StateFileError
-    from real_tier import SlimeRolloutManager, plugin_args
+    from tests.support.real_tier import SlimeRolloutManager, plugin_args
 
     job = tmp_path / "job"
     # april with over-sampling: every rollout leaves aborted groups in the buffer, so the
@@ -118,10 +103,10 @@ def test_sigkill_on_real_engines_then_restart_loses_and_repeats_nothing(real_sta
     cfg = {"router_url": real_stack.router_url, "engine_urls": real_stack.engine_urls,
            "model_path": str(real_stack.model_path), "job_dir": str(job), "kill": kill, "point": point,
            "kill_save": KILL_SAVE, "plugin_args": {**job_args, "extra_argv": ["--custom-rm-path", "__main__.reward"]}}
-    env = {k: v for k, v in os.environ.items() if k != checkpoint.KILL_AT_ENV}
     try:
-        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("restart_worker.py")), json.dumps(cfg)],
-                              env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([sys.executable, "-m", "tests.support.restart_worker", json.dumps(cfg)],
+                              capture_output=True, text=True, timeout=300,
+                              **child_process_kwargs(drop_env=(checkpoint.KILL_AT_ENV,)))
     finally:
         real_stack.wait_idle()  # the killed process's requests end on the engines (or were aborted)
     first = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -2,9 +2,9 @@
 skips with the reason elsewhere, and fails with the reason in CI (see conftest.py), so a run
 without the real tier can never pass as a run with it."""
 
-from real_tier import REQUIRED, WHY_SKIPPED
-
 import pytest
+
+from tests.support.real_tier import REQUIRED, WHY_SKIPPED
 
 
 def test_the_real_tier_can_run():

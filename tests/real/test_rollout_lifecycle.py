@@ -11,8 +11,8 @@ import time
 import pytest
 
 from april_slime import rollout
-from real_tier import SlimeRolloutManager, plugin_args
-from test_rollout_policies import check_slime_contract
+from april_slime.core.keys import TOKEN_VERSIONS_KEY
+from tests.support.real_tier import SlimeRolloutManager, check_slime_contract, plugin_args
 
 BATCH, N, MAX_LEN = 4, 2, 32
 
@@ -29,7 +29,7 @@ def partials(data_source) -> dict[int, tuple]:
 
 
 def oldest_versions(samples) -> set[int]:
-    return {min(v for v, _ in s.train_metadata[rollout.TOKEN_VERSIONS_KEY]) for s in samples}
+    return {min(v for v, _ in s.train_metadata[TOKEN_VERSIONS_KEY]) for s in samples}
 
 
 @pytest.mark.parametrize("action", ["restart", "drop"])
@@ -130,7 +130,7 @@ def test_evaluation_goes_through_slimes_eval_path(real_stack, tmp_path):
     from slime.rollout.base_types import call_rollout_fn
     from slime.utils.types import Sample
 
-    from real_tier import write_prompts
+    from tests.support.real_tier import write_prompts
 
     eval_data = write_prompts(tmp_path / "eval.jsonl", 3, seed=7)
     eval_rows = [json.loads(line) for line in eval_data.read_text(encoding="utf-8").splitlines()]

@@ -5,13 +5,21 @@ token for token to the uninterrupted generation."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from april_slime import rollout
-from real_tier import (Placement, SlimeRolloutManager, abort_and_hold, continue_generation, http_json, load_weights,
-                       plugin_args, prompt_token_bound, version_spans)
+from tests.support.real_tier import (
+    Placement,
+    SlimeRolloutManager,
+    abort_and_hold,
+    check_slime_contract,
+    continue_generation,
+    http_json,
+    load_weights,
+    plugin_args,
+    prompt_token_bound,
+    version_spans,
+)
 
 BATCH, N, MAX_LEN = 4, 2, 32
 
@@ -29,42 +37,6 @@ def manager_for(real_stack, tmp_path):
     yield make
     rollout.shutdown()
     real_stack.wait_idle()
-
-
-def check_slime_contract(samples, train, *, tokenizer, batch: int, n: int, max_len: int, prompt_of) -> None:
-    """What slime's trainer relies on, checked sample by sample."""
-    from slime.utils.types import Sample
-
-    eos = tokenizer.eos_token_id
-    assert len(samples) == batch * n
-    groups = [samples[i:i + n] for i in range(0, len(samples), n)]
-    assert len({g[0].group_index for g in groups}) == batch
-    for group in groups:
-        assert len({s.group_index for s in group}) == 1, "a group's samples are consecutive"
-    assert [s.index for s in samples] == sorted(s.index for s in samples), "sorted by index as slime sorts"
-    assert len({s.index for s in samples}) == len(samples)
-    for s in samples:
-        prompt_ids = tokenizer.encode(prompt_of(s), add_special_tokens=False)
-        response = s.tokens[len(prompt_ids):]
-        assert s.tokens[:len(prompt_ids)] == prompt_ids
-        assert len(response) == s.response_length == len(s.rollout_log_probs) == len(s.loss_mask)
-        assert 0 < s.response_length <= max_len
-        assert s.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED), s.status
-        if s.status == Sample.Status.COMPLETED:
-            assert response[-1] == eos, "COMPLETED ends with EOS (the model's only stop)"
-            assert eos not in response[:-1], "a stop inside the response: two responses trained as one"
-        else:
-            assert s.response_length == max_len and eos not in response
-        assert all(math.isfinite(lp) and lp <= 0 for lp in s.rollout_log_probs)
-        assert s.response == tokenizer.decode(response)
-        assert s.weight_versions and all(str(int(v)) == v for v in s.weight_versions)
-        runs = s.train_metadata[rollout.TOKEN_VERSIONS_KEY]
-        assert sum(c for _, c in runs) == s.response_length
-        assert s.reward == float(s.response_length % 2)
-    assert train["tokens"] == [s.tokens for s in samples]
-    assert train["rollout_log_probs"] == [s.rollout_log_probs for s in samples]
-    assert train["loss_masks"] == [[1] * s.response_length for s in samples]
-    assert train["metadata"] == [s.train_metadata for s in samples]
 
 
 @pytest.mark.parametrize("policy", ["sync", "april", "copris"])

@@ -15,8 +15,21 @@ import pytest
 
 from april_slime import rollout
 from april_slime.core.engine import EngineClient
-from real_tier import (Placement, SlimeRolloutManager, continue_generation, engine_loads, http_json, load_weights,
-                       pause_in_place, plugin_args, post_ok, prompt_token_bound, version_spans, wait_for_progress)
+from april_slime.core.keys import TOKEN_VERSIONS_KEY
+from tests.support.real_tier import (
+    Placement,
+    SlimeRolloutManager,
+    continue_generation,
+    engine_loads,
+    http_json,
+    load_weights,
+    pause_in_place,
+    plugin_args,
+    post_ok,
+    prompt_token_bound,
+    version_spans,
+    wait_for_progress,
+)
 
 TOLERANCE = 1e-4  # float32 CPU engine vs float32 transformers; measured differences are ~3e-6
 
@@ -43,7 +56,7 @@ def token_logprobs(model, tokens: list[int], response_length: int, temperature: 
 
 
 def per_token_versions(sample) -> list[int]:
-    runs = sample.train_metadata[rollout.TOKEN_VERSIONS_KEY]
+    runs = sample.train_metadata[TOKEN_VERSIONS_KEY]
     return [v for v, c in runs for _ in range(c)]
 
 

@@ -21,13 +21,31 @@ Three pieces of modelling live here:
   retractions, no re-prefill of resumed partials).
 """
 
-from .spec import ENGINE_PRESETS, EngineSpec
-from .workloads import (MODES, POLICIES, QUICK, WORKLOADS, LengthStats, SyntheticPrompts, Workload,
-                        ideal_throughput, length_stats)
-from .runner import (BenchResult, PolicyRun, RunPoint, StepRecord, mix_ideal_throughput, plan,
-                     run_benchmark, run_policy, summarize)
-from .report import format_table, headline, plot
 from .cli import apply_overrides, build_parser, main
+from .report import format_table, headline, plot
+from .runner import (
+                        BenchResult,
+                        PolicyRun,
+                        RunPoint,
+                        StepRecord,
+                        mix_ideal_throughput,
+                        plan,
+                        run_benchmark,
+                        run_policy,
+                        summarize,
+)
+from .spec import ENGINE_PRESETS, EngineSpec
+from .workloads import (
+                        MODES,
+                        POLICIES,
+                        QUICK,
+                        WORKLOADS,
+                        LengthStats,
+                        SyntheticPrompts,
+                        Workload,
+                        ideal_throughput,
+                        length_stats,
+)
 
 __all__ = [
     "ENGINE_PRESETS", "EngineSpec", "MODES", "POLICIES", "QUICK", "WORKLOADS", "LengthStats",

@@ -11,13 +11,12 @@ each variant's ratio is measured within that variant (same seed, same inputs for
 
 from __future__ import annotations
 
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from april_slime.workbench.emulator import LengthModel
 
-from .runner import run_benchmark
+from .runner import run_benchmark, run_jobs
 from .spec import EngineSpec
 from .workloads import Workload
 
@@ -72,14 +71,6 @@ def _run_one(job: tuple[Workload, EngineSpec, Variant, str]) -> tuple[str, str, 
     w, s = variant.apply(replace(workload, policies=(policy,), sweep="none"), spec)
     result = run_benchmark(w, s)
     return variant.name, policy, result.summaries[policy]
-
-
-def run_jobs(function, jobs: list, processes: int) -> list:
-    """``function`` over ``jobs``, in ``processes`` worker processes (1: in this process)."""
-    if processes <= 1 or len(jobs) <= 1:
-        return [function(j) for j in jobs]
-    with ProcessPoolExecutor(max_workers=min(processes, len(jobs))) as pool:
-        return list(pool.map(function, jobs))
 
 
 def run_band(workload: Workload, spec: EngineSpec, variants: list[Variant], *,

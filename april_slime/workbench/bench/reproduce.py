@@ -22,8 +22,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
-from .band import run_jobs
-from .runner import run_benchmark
+from .runner import run_benchmark, run_jobs
 from .spec import ENGINE_PRESETS
 from .workloads import Workload
 

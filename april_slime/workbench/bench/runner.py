@@ -1,4 +1,5 @@
-"""One policy run on a fresh emulated cluster, its steady-state summary, and whole benchmarks."""
+"""One policy run on a fresh emulated cluster, its steady-state summary, and whole benchmarks
+(``run_jobs``: independent runs in worker processes, also for ``band`` and ``reproduce``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import hashlib
 import math
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
@@ -14,14 +16,15 @@ import numpy as np
 from april_slime.core.adaptive import AdaptiveConcurrencyController
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.config import AprilConfig
-from april_slime.workbench.emulator import EmulatorCluster, SyntheticLM, run_virtual
-from april_slime.core.engine import EngineClient, HttpTransport
+from april_slime.core.engine import EngineClient
 from april_slime.core.scheduler import RolloutScheduler
+from april_slime.core.transport import HttpTransport
 from april_slime.core.types import Group
+from april_slime.workbench.emulator import EmulatorCluster, SyntheticLM, run_virtual
 
 from .spec import EngineSpec
-from .workloads import (MODES, LengthStats, SyntheticPrompts, Workload, ideal_throughput,
-                        length_stats)
+from .workloads import MODES, LengthStats, SyntheticPrompts, Workload, ideal_throughput, length_stats
+
 
 # ============================================================================ one policy run
 @dataclass
@@ -480,6 +483,14 @@ async def _run_all(workload: Workload, spec: EngineSpec, mode: str, time_scale: 
     return runs
 
 
+def run_jobs(function, jobs: list, processes: int) -> list:
+    """``function`` over ``jobs``, in ``processes`` worker processes (1: in this process)."""
+    if processes <= 1 or len(jobs) <= 1:
+        return [function(j) for j in jobs]
+    with ProcessPoolExecutor(max_workers=min(processes, len(jobs))) as pool:
+        return list(pool.map(function, jobs))
+
+
 def _run_point(job: tuple[Workload, EngineSpec, RunPoint]) -> PolicyRun:
     workload, spec, point = job
     return run_virtual(_run_all(workload, spec, "virtual", 1.0, [point], Progress()))[0]
@@ -498,8 +509,6 @@ def run_benchmark(workload: Workload, spec: EngineSpec, *, mode: str = "virtual"
     ideal = {b: ideal_throughput(spec, replace(workload, max_response_len=b), lengths[b])
              for b in budgets}
     if mode == "virtual" and jobs > 1 and len(points) > 1:
-        from .band import run_jobs
-
         runs = run_jobs(_run_point, [(workload, spec, p) for p in points], jobs)
         for run in runs:
             progress.run_done(run)

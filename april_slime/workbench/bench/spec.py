@@ -14,7 +14,6 @@ from typing import Any
 
 from april_slime.workbench.emulator import EngineConfig, TimeModel
 
-
 # ============================================================================ engine time model
 ENGINE_KINDS = ("sglang", "vllm")
 

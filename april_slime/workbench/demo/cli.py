@@ -23,7 +23,8 @@ def _parser() -> argparse.ArgumentParser:
                     "slime's reward path, the plugin's loss on a torch copy of the policy, weights pushed with "
                     "/update_weights_from_disk. Needs the real-stack environment (scripts/real-stack/setup.sh).")
     p.add_argument("--quick", action="store_true",
-                   help=f"short run: {', '.join(QUICK.policies)}, {QUICK.steps} steps each (under 10 minutes on 2 cores)")
+                   help=f"short run: {', '.join(QUICK.policies)}, {QUICK.steps} steps each "
+                        "(under 10 minutes on 2 cores)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the per-step series of every policy here")
     p.add_argument("--plot", type=Path, metavar="PNG", help="draw reward vs wall-clock, off-policy share and ESS")
     p.add_argument("--policies", help=f"comma-separated subset of {','.join(POLICIES)}")
@@ -35,9 +36,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="add VCPO's ESS-scaled learning rate (april_vcpo_lr_scaling) to the CoPRIS-IS loss")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the trainer (default 1)")
     p.add_argument("--cache-dir", type=Path,
-                   default=Path(os.environ.get("APRIL_REAL_STACK_CACHE", Path.home() / ".cache" / "april-slime")) / "demo",
+                   default=Path(os.environ.get("APRIL_REAL_STACK_CACHE",
+                                              Path.home() / ".cache" / "april-slime")) / "demo",
                    help="where the warm-started policy is built once and reused")
-    p.add_argument("--workdir", type=Path, help="prompt files, checkpoints and weight pushes (default: a temporary folder)")
+    p.add_argument("--workdir", type=Path,
+                   help="prompt files, checkpoints and weight pushes (default: a temporary folder)")
     return p
 
 
@@ -74,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from april_slime.workbench.demo.loop import run_demo
     from april_slime.core.jsonfile import write_json_atomic
+    from april_slime.workbench.demo.loop import run_demo
 
     torch.set_num_threads(ns.threads)
     # the engines run in their own process groups: a plain SIGTERM must unwind through the

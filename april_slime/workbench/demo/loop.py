@@ -5,9 +5,10 @@ One step, for each rollout policy (sync, april, copris):
 1. rollout: ``april_slime.rollout.generate_rollout`` with ``AprilDataSource``, both loaded from
    slime's ``--rollout-function-path`` / ``--data-source-path`` with slime's ``load_function`` and
    called through slime's ``call_rollout_fn`` as its ``RolloutManager`` does (``args`` from slime's
-   own argument parser), against SGLang CPU engines behind sglang-router. Prompts come from slime's ``RolloutDataSource`` (a JSONL file), rewards
-   from slime's reward path (``custom_rm_path`` -> ``april_slime.workbench.demo.task.reward``); april and
-   copris abort at target and buffer the partials, which later steps resume first;
+   own argument parser), against SGLang CPU engines behind sglang-router. Prompts come from slime's
+   ``RolloutDataSource`` (a JSONL file), rewards from slime's reward path (``custom_rm_path`` ->
+   ``april_slime.workbench.demo.task.reward``); april and copris abort at target and buffer the
+   partials, which later steps resume first;
 2. train: one rollout batch through ``april_slime.loss.policy_loss`` on a transformers copy of the
    policy (``trainer.PolicyTrainer``);
 3. push: the new weights are saved and loaded by every engine with ``/update_weights_from_disk``

@@ -128,7 +128,7 @@ def build_policy(cache_dir: str | Path, spec: PolicySpec, log: Callable[[str], N
     import torch
     from transformers import AutoModelForCausalLM
 
-    from april_slime.workbench.localstack import build_tiny_qwen3
+    from april_slime.workbench.tiny_qwen3 import build_tiny_qwen3
 
     cache_dir = Path(cache_dir)
     out = cache_dir / f"policy-{spec.key()}"

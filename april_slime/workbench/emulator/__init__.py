@@ -13,15 +13,16 @@ Entry points: ``python -m april_slime.emulator`` (HTTP on loopback),
 (in-process) and ``vclock.run_virtual`` (emulated time without waiting).
 """
 
-from .batching import EmulatedEngine, EngineConfig, EngineStopped, RequestRejected, TimeModel
+from .batching import AdmissionRefused, EmulatedEngine, EngineStopped
 from .cluster import EmulatorCluster, LocalTransport
+from .config import EngineConfig, TimeModel
 from .model import LENGTH_PRESETS, LengthModel, SyntheticLM, prompt_key, reference_tokens
 from .server import EngineHandler, RouterHandler
 from .testing import RunningCluster, build_cluster, start_cluster
 from .vclock import VirtualEventLoop, run_virtual
 
 __all__ = [
-    "EmulatedEngine", "EngineConfig", "EngineStopped", "RequestRejected", "TimeModel",
+    "AdmissionRefused", "EmulatedEngine", "EngineConfig", "EngineStopped", "TimeModel",
     "EmulatorCluster", "LocalTransport",
     "LENGTH_PRESETS", "LengthModel", "SyntheticLM", "prompt_key", "reference_tokens",
     "EngineHandler", "RouterHandler",

@@ -17,7 +17,7 @@ import socket
 import sys
 from dataclasses import fields
 
-from .batching import EngineConfig, TimeModel
+from .config import EngineConfig, TimeModel
 from .model import LENGTH_PRESETS, LengthModel
 from .testing import build_cluster
 

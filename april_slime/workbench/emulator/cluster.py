@@ -6,9 +6,10 @@ import asyncio
 import json
 from typing import Any
 
-from april_slime.core.engine import TransportHTTPError
+from april_slime.core.transport import TransportHTTPError
 
-from .batching import EmulatedEngine, EngineConfig
+from .batching import EmulatedEngine
+from .config import EngineConfig
 from .model import SyntheticLM
 from .server import EngineHandler, Handler, HttpServer, RouterHandler, bind_socket
 

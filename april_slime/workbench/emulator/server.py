@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from aiohttp import web
 
-from .batching import EmulatedEngine, EngineStopped, RequestRejected
+from .batching import AdmissionRefused, EmulatedEngine, EngineStopped
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params omits it
 SGLANG_VERSION = "0.5.23"  # the protocol version spoken (tests/data/sglang-0.5.23-golden.json)
@@ -95,7 +95,7 @@ class EngineHandler:
             return 200, await fn(self, payload)
         except BadRequest as exc:
             return 400, exc.body
-        except RequestRejected as exc:
+        except AdmissionRefused as exc:
             return _error(400, str(exc))
         except EngineStopped as exc:
             return _error(503, str(exc))

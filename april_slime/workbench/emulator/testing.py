@@ -6,8 +6,8 @@ import contextlib
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
-from .batching import EngineConfig
 from .cluster import EmulatorCluster, LocalTransport
+from .config import EngineConfig
 from .model import LengthModel, SyntheticLM
 
 
@@ -97,7 +97,7 @@ async def golden_replies(engine_url: str, *, max_running_requests: int, new_weig
         async def wait_load(pred) -> None:
             for _ in range(600):
                 loads = (await call("GET", "/v1/loads"))["body"]["loads"]
-                if pred(sum(l["num_running_reqs"] for l in loads), sum(l["num_waiting_reqs"] for l in loads)):
+                if pred(sum(e["num_running_reqs"] for e in loads), sum(e["num_waiting_reqs"] for e in loads)):
                     return
                 await asyncio.sleep(0.05)
             raise TimeoutError("engine load never reached the expected state")

@@ -11,7 +11,7 @@ is deliberately stale, the way an asynchronous partial-rollout system makes it:
 
 Every method trains the same warm-started model on the same prompts with the same seeds; they differ
 only in how the policy-gradient loss treats the behaviour log-probs, and all of that logic comes from
-the package (``april_slime.training.offpolicy``, ``april_slime.loss``, ``april_slime.vcpo``). This module owns
+the package (``april_slime.training``, ``april_slime.loss``). This module owns
 the toy task, the model, the stale-rollout pipeline and the bookkeeping; it does not reimplement any
 importance-sampling, ESS or baseline formula.
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -32,7 +31,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from april_slime.training import offpolicy
-from april_slime import vcpo
+from april_slime.training.baseline import finish_opob_step, opob_policy_loss
+from april_slime.training.ess import EssLrScaler
+from april_slime.training.grad_norms import PerSampleGradNorms
 
 SEPARATOR = 10  # token between the digits of the prompt and the answer
 VOCAB_SIZE = 11  # digits 0-9 and the separator
@@ -114,7 +115,7 @@ class TinyCausalLM(nn.Module):
     """Token + learned position embeddings, pre-norm blocks, separate LM head.
 
     The head is not tied to the embedding and positions are an ``nn.Embedding``: exact per-sample
-    gradient norms (``vcpo.PerSampleGradNorms``) need every parameter in a layer of its own.
+    gradient norms (``PerSampleGradNorms``) need every parameter in a layer of its own.
     """
 
     def __init__(self, max_len: int, d_model: int, n_heads: int, n_layers: int) -> None:
@@ -306,8 +307,8 @@ class _Trainer:
                                            weight_decay=0.0)
         # rho_on defaults to the ESS ratio of the first step, which trains on the warm-start
         # policy's own samples (on-policy), as the paper estimates it.
-        self.lr_scaler = vcpo.EssLrScaler() if method.ess_lr_scaling else None
-        self.grad_norms = (vcpo.PerSampleGradNorms(self.model, weighted=True)
+        self.lr_scaler = EssLrScaler() if method.ess_lr_scaling else None
+        self.grad_norms = (PerSampleGradNorms(self.model, weighted=True)
                            if method.optimal_baseline else None)
 
     def update(self, batch: RolloutBatch, step: int) -> dict[str, float]:
@@ -348,7 +349,7 @@ class _Trainer:
                 clip_fractions.append(clipped)
             loss.backward()
             if self.grad_norms is not None:
-                baselines.append(vcpo.finish_opob_step(self.grad_norms, model.parameters()))
+                baselines.append(finish_opob_step(self.grad_norms, model.parameters()))
             grad_norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
             if self.lr_scaler is not None:
                 with self.lr_scaler.scaled_lr(self.optimizer) as scale:
@@ -397,12 +398,12 @@ class _Trainer:
     def _opob_loss(self, logprobs: torch.Tensor, batch: RolloutBatch, rows: slice) -> torch.Tensor:
         """VCPO: sequence-level IS against the concatenated rollout log-probs (truncated at
         ``is_high``) with the off-policy optimal baseline applied after the backward
-        (``vcpo.finish_opob_step``) from the exact per-sample gradient norms the hooks collect."""
+        (``finish_opob_step``) from the exact per-sample gradient norms the hooks collect."""
         n_rows, length = logprobs.shape
         # Every position of the model input (prompt and response) belongs to its row's sample.
         input_len = batch.prompts.shape[1] + length - 1
         segment_ids = torch.arange(n_rows)[:, None].expand(n_rows, input_len).reshape(-1)
-        result = vcpo.opob_policy_loss(
+        result = opob_policy_loss(
             list(logprobs), list(batch.behaviour_logprobs[rows]), [torch.ones(length)] * n_rows,
             batch.rewards[rows], segment_ids, grad_norms=self.grad_norms,
             correction="truncate", high=self.settings.is_high)
@@ -524,6 +525,11 @@ def run_experiment(settings: EvidenceSettings, method_names: list[str], seeds: l
             "wall_seconds": time.perf_counter() - started, "runs": runs}
 
 
+def nanmin(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return min(finite) if finite else math.nan
+
+
 def _log_warm(warm: dict[int, tuple[Any, float]], log: Callable[[str], None]) -> None:
     for seed, (_, secs) in sorted(warm.items()):
         log(f"warm start seed {seed}: {secs:.1f}s")
@@ -531,123 +537,5 @@ def _log_warm(warm: dict[int, tuple[Any, float]], log: Callable[[str], None]) ->
 
 def _log_run(result: dict[str, Any], log: Callable[[str], None]) -> None:
     log(f"{result['method']:>14} seed {result['seed']}: final eval reward "
-        f"{result['eval_reward'][-1]:.3f}, min ESS ratio {_nanmin(result['ess_ratio']):.3f}, "
+        f"{result['eval_reward'][-1]:.3f}, min ESS ratio {nanmin(result['ess_ratio']):.3f}, "
         f"{result['seconds']:.1f}s")
-
-
-# ------------------------------------------------------------------------------------- summary
-def _nanmin(values: list[float]) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    return min(finite) if finite else math.nan
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
-
-
-def _std(values: list[float]) -> float:
-    if len(values) < 2:
-        return 0.0
-    mu = _mean(values)
-    return math.sqrt(sum((v - mu) ** 2 for v in values) / (len(values) - 1))
-
-
-def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per method, aggregated over seeds."""
-    settings = EvidenceSettings(**results["settings"])
-    rows = []
-    for name in results["methods"]:
-        runs = [r for r in results["runs"] if r["method"] == name]
-        finals, first_hits, collapses = [], [], 0
-        for run in runs:
-            curve = run["eval_reward"]
-            window = [v for s, v in zip(run["eval_step"], curve)
-                      if s > settings.rl_steps - settings.last_steps]
-            finals.append(_mean(window))
-            hit = next((s for s, v in zip(run["eval_step"], curve) if v >= 0.8), None)
-            first_hits.append(hit)
-            peak = -math.inf
-            for value in curve:
-                if not math.isfinite(value):
-                    break
-                peak = max(peak, value)
-                if peak - value >= settings.divergence_drop:
-                    collapses += 1
-                    break
-        reached = [h for h in first_hits if h is not None]
-        rows.append({
-            "method": name,
-            "label": METHODS[name].label,
-            "final_reward_mean": _mean(finals),
-            "final_reward_std": _std(finals),
-            "final_reward_per_seed": finals,
-            "steps_to_0.8": _mean(reached) if reached else math.nan,
-            "runs_reaching_0.8": len(reached),
-            "min_ess_ratio": _nanmin([v for r in runs for v in r["ess_ratio"]]),
-            "mean_ess_ratio": _mean([v for r in runs for v in r["ess_ratio"] if math.isfinite(v)]),
-            "max_behaviour_kl": max(v for r in runs for v in r["behaviour_kl"] if math.isfinite(v)),
-            "min_lr_scale": _nanmin([v for r in runs for v in r["lr_scale"]]),
-            "nan_divergences": sum(r["diverged_at"] is not None for r in runs),
-            "collapses": collapses,
-            "runs": len(runs),
-        })
-    return rows
-
-
-def markdown_table(rows: list[dict[str, Any]], settings: EvidenceSettings) -> str:
-    lines = [
-        f"| method | final reward (evaluations in the last {settings.last_steps} updates; "
-        "mean ± sd over seeds) "
-        "| per seed | steps to reward 0.8 | min ESS ratio | mean ESS ratio | max KL(behaviour ‖ "
-        "current) | min LR factor | diverged (NaN) / collapsed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for row in rows:
-        per_seed = ", ".join(f"{v:.3f}" for v in row["final_reward_per_seed"])
-        reach = (f"{row['steps_to_0.8']:.1f}" if math.isfinite(row["steps_to_0.8"]) else "never")
-        if row["runs_reaching_0.8"] < row["runs"]:
-            reach += f" ({row['runs_reaching_0.8']}/{row['runs']} runs)"
-        lines.append(
-            f"| {row['label']} | {row['final_reward_mean']:.3f} ± {row['final_reward_std']:.3f} "
-            f"| {per_seed} | {reach} | {row['min_ess_ratio']:.3f} | {row['mean_ess_ratio']:.3f} "
-            f"| {row['max_behaviour_kl']:.3f} | {row['min_lr_scale']:.3f} "
-            f"| {row['nan_divergences']}/{row['runs']} / {row['collapses']}/{row['runs']} |")
-    return "\n".join(lines)
-
-
-def plot(results: dict[str, Any], path: str | Path) -> None:
-    """Reward, ESS ratio and behaviour KL vs step: mean over seeds, band = min..max over seeds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    settings = EvidenceSettings(**results["settings"])
-    panels = (("eval_reward", "held-out reward (current policy)"),
-              ("ess_ratio", "ESS ratio of the training batch"),
-              ("behaviour_kl", "KL(behaviour ‖ current), per token"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2))
-    for name in results["methods"]:
-        runs = [r for r in results["runs"] if r["method"] == name]
-        for ax, (key, title) in zip(axes, panels):
-            curves = torch.tensor([r[key] for r in runs], dtype=torch.float64)
-            steps = (torch.tensor(runs[0]["eval_step"]) if key == "eval_reward" else
-                     torch.arange(1, curves.shape[1] + 1))
-            mean = curves.nanmean(dim=0)
-            line, = ax.plot(steps, mean, label=METHODS[name].label, lw=1.6,
-                            ls="--" if not METHODS[name].stale else "-")
-            if len(runs) > 1:
-                low = torch.where(curves.isnan(), torch.inf, curves).min(dim=0).values
-                high = torch.where(curves.isnan(), -torch.inf, curves).max(dim=0).values
-                ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.12, lw=0)
-            ax.set_title(title)
-            ax.set_xlabel("update")
-    axes[0].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"reverse {settings.num_digits} digits, lr {settings.lr:g}, "
-                 f"policy lag {settings.policy_lag}, "
-                 f"{settings.partial_fraction:.0%} partial rollouts (prefix 1-"
-                 f"{settings.partial_max_extra_lag} versions older), {len(results['seeds'])} seeds",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -11,29 +11,21 @@ log-probs sit one perturbation away from both. Each mode is compared with what s
   the rollout log-probs),
 
 and, where slime has no equivalent (copris with TIS/MIS, sequence and geometric levels), with the
-float64 reference of docs/loss.md in reference_loss.py, run through the same slime loss_function.
+float64 reference of docs/loss.md in tests/support/training/reference_loss.py, run through the same slime loss_function.
 """
 
 import copy
 
 import pytest
+import torch
+
+from tests.support.training import slime_cpu as sc
 
 pytestmark = pytest.mark.real
 
-try:
-    import megatron.core  # noqa: F401
-    import slime.backends.megatron_utils.loss  # noqa: F401
-except ImportError as exc:
-    pytest.skip(f"training tier needs megatron-core and slime (scripts/real-stack/setup.sh): {exc}",
-                allow_module_level=True)
-
-import torch
-
-import slime_cpu as sc
-
 PLUGIN = dict(loss_type="custom_loss", custom_loss_function_path="april_slime.loss.policy_loss",
               april_is_level="token", april_loss_level="token")
-REFERENCE = dict(PLUGIN, custom_loss_function_path="reference_loss.policy_loss")
+REFERENCE = dict(PLUGIN, custom_loss_function_path="tests.support.training.reference_loss.policy_loss")
 SLIME_KEYS = ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl", "train_rollout_logprob_abs_diff")
 BUCKETS = ("stale0", "stale1", "stale2", "stale3+")
 

@@ -8,19 +8,11 @@ test-only adaptations.
 import copy
 
 import pytest
-
-pytestmark = pytest.mark.real
-
-try:
-    import megatron.core  # noqa: F401
-    import slime.backends.megatron_utils.loss  # noqa: F401
-except ImportError as exc:
-    pytest.skip(f"training tier needs megatron-core and slime (scripts/real-stack/setup.sh): {exc}",
-                allow_module_level=True)
-
 import torch
 
-import slime_cpu as sc
+from tests.support.training import slime_cpu as sc
+
+pytestmark = pytest.mark.real
 
 PLUGIN = dict(loss_type="custom_loss", custom_loss_function_path="april_slime.loss.policy_loss",
               april_is_mode="on_policy", april_is_level="token", april_is_correction="none", april_is_low=0.0,

@@ -16,18 +16,10 @@ import copy
 import socket
 
 import pytest
-
-pytestmark = pytest.mark.real
-
-try:
-    import megatron.core  # noqa: F401
-    import slime.backends.megatron_utils.loss  # noqa: F401
-except ImportError as exc:
-    pytest.skip(f"training tier needs megatron-core and slime (scripts/real-stack/setup.sh): {exc}",
-                allow_module_level=True)
-
 import torch
 import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.real
 
 DP = 2
 BATCH = dict(rollout_batch_size=4, n_samples_per_prompt=3, global_batch_size=12)
@@ -53,7 +45,7 @@ def ess_tolerance(max_response_tokens: int) -> float:
 
 
 def samples_and_model():
-    import slime_cpu as sc
+    from tests.support.training import slime_cpu as sc
 
     model = sc.TokenwiseLM(seed=0)
     samples = sc.make_samples(seed=0, num_prompts=4, per_prompt=3, model=model)
@@ -67,10 +59,10 @@ def samples_and_model():
 
 def run(dp_size=1, dp_rank=0):
     """Data path, the proximal log-probs, one train step and the optimizer step on this rank."""
-    import slime_cpu as sc
     from megatron.core import parallel_state
 
     from april_slime import vcpo
+    from tests.support.training import slime_cpu as sc
 
     model, samples = samples_and_model()
     args = sc.make_args(**BATCH, **PLUGIN)
@@ -99,7 +91,7 @@ def run(dp_size=1, dp_rank=0):
 
 def worker(rank, port, queue):
     try:
-        import slime_cpu as sc
+        from tests.support.training import slime_cpu as sc
 
         with sc.gloo_world(tp=1, rank=rank, world_size=DP, port=port):
             queue.put((rank, run(DP, rank), None))
@@ -111,7 +103,7 @@ def worker(rank, port, queue):
 
 @pytest.fixture(scope="module")
 def reference():
-    import slime_cpu as sc
+    from tests.support.training import slime_cpu as sc
 
     with sc.gloo_world():
         return run()

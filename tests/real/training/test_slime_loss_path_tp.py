@@ -6,19 +6,11 @@ import copy
 import socket
 
 import pytest
-
-pytestmark = pytest.mark.real
-
-try:
-    import megatron.core  # noqa: F401
-    import slime.backends.megatron_utils.loss  # noqa: F401
-except ImportError as exc:
-    pytest.skip(f"training tier needs megatron-core and slime (scripts/real-stack/setup.sh): {exc}",
-                allow_module_level=True)
-
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+
+pytestmark = pytest.mark.real
 
 SETTINGS = dict(eps_clip_high=0.28, entropy_coef=0.01)
 PLUGIN = dict(loss_type="custom_loss", custom_loss_function_path="april_slime.loss.policy_loss",
@@ -35,9 +27,10 @@ def worker(rank, port, queue):
 
 
 def _worker(rank, port):
-    import megatron_cpu
-    import slime_cpu as sc
     from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from tests.support.training import megatron_cpu
+    from tests.support.training import slime_cpu as sc
 
     with sc.gloo_world(tp=2, rank=rank, world_size=2, port=port), megatron_cpu.megatron_on_cpu():
         full = sc.TokenwiseLM(seed=0)

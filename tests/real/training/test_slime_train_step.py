@@ -24,22 +24,13 @@ import copy
 import math
 
 import pytest
-
-pytestmark = pytest.mark.real
-
-try:
-    import megatron.core  # noqa: F401
-    import slime.backends.megatron_utils.loss  # noqa: F401
-except ImportError as exc:
-    pytest.skip(f"training tier needs megatron-core and slime (scripts/real-stack/setup.sh): {exc}",
-                allow_module_level=True)
-
 import torch
 
-import megatron_cpu
-import reference_loss
-import slime_cpu as sc
 from april_slime import vcpo
+from tests.support.training import megatron_cpu, reference_loss
+from tests.support.training import slime_cpu as sc
+
+pytestmark = pytest.mark.real
 
 HOOK = "april_slime.vcpo.before_train_step"
 # copris with --use-rollout-logprobs: no log-prob recompute is needed before the step
@@ -101,7 +92,8 @@ def test_train_one_step_hands_each_samples_metadata_to_the_loss(world):
     """Per-sample train_metadata reaches the custom loss through train_one_step's own batch keys
     (the train_one_step hunk of patches/slime-forward-train-metadata.patch), with its sample."""
     reference_loss.RECORDED.clear()
-    args = sc.make_args(**dict(COPRIS, custom_loss_function_path="reference_loss.recording_policy_loss"))
+    recording = "tests.support.training.reference_loss.recording_policy_loss"
+    args = sc.make_args(**dict(COPRIS, custom_loss_function_path=recording))
     samples, *_, metrics, _ = one_step(args)
     seen = []
     for microbatch in reference_loss.RECORDED:

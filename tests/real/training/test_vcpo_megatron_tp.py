@@ -6,21 +6,16 @@ by its own backward."""
 import socket
 
 import pytest
-
-pytestmark = pytest.mark.real
-
-try:
-    import megatron.core  # noqa: F401
-except ImportError as exc:
-    pytest.skip(f"needs megatron-core (scripts/real-stack/setup.sh): {exc}", allow_module_level=True)
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from april_slime.training.baseline import opob_policy_loss
+from april_slime.training.grad_norms import PerSampleGradNorms
 from april_slime.training.offpolicy import Packing
-from april_slime.vcpo import PerSampleGradNorms, opob_policy_loss
+
+pytestmark = pytest.mark.real
 
 VOCAB, D, H = 16, 8, 12
 LENGTHS = [5, 3, 6, 2]  # 16 tokens: divisible by TP 2
@@ -106,9 +101,14 @@ def worker(rank, world, port, queue):
 def _worker(rank, world, sequence_parallel):
     from megatron.core import parallel_state
     from megatron.core.model_parallel_config import ModelParallelConfig
-    from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                               gather_from_tensor_model_parallel_region)
-    from megatron_cpu import megatron_on_cpu
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        gather_from_tensor_model_parallel_region,
+    )
+
+    from tests.support.training.megatron_cpu import megatron_on_cpu
 
     parallel_state.initialize_model_parallel(world, 1)
     cfg = ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=sequence_parallel,

@@ -22,9 +22,8 @@ import operator
 import types
 from functools import reduce
 
-import torch
-
 import megatron.core.utils as megatron_utils
+import torch
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel import mappings as tp_mappings
 

@@ -13,7 +13,6 @@ metrics are prefixed ``ref/``; ``ref/stale*`` are the staleness buckets of ``bat
 from __future__ import annotations
 
 import torch
-
 from slime.backends.megatron_utils import loss as slime_loss
 
 STALENESS_BUCKETS = ("stale0", "stale1", "stale2", "stale3+")

@@ -39,12 +39,9 @@ from argparse import Namespace
 from functools import partial
 
 import torch
-from torch import nn
-
 from megatron.core import parallel_state
-from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.pipeline_parallel import schedules
-
+from megatron.core.transformer.transformer_config import TransformerConfig
 from slime.backends.megatron_utils import data as slime_data
 from slime.backends.megatron_utils import loss as slime_loss
 from slime.ray import rollout as slime_rollout
@@ -52,6 +49,7 @@ from slime.utils import accelerator as slime_accelerator
 from slime.utils import data as slime_utils_data
 from slime.utils.accelerator.base import Accelerator
 from slime.utils.types import Sample
+from torch import nn
 
 VOCAB = 29
 

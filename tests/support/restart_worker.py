@@ -1,7 +1,8 @@
 """A slime job's rollout side in a process of its own, on the real tier's engines, to be SIGKILLed.
 
-Run by ``test_checkpoint_real.py::test_sigkill_on_real_engines_then_restart_loses_and_repeats_nothing``
-as ``python restart_worker.py CONFIG_JSON``. It drives slime's own ``RolloutManager`` methods (as
+Run by ``test_sigkill_on_real_engines_then_restart_loses_and_repeats_nothing``
+(``tests/real/test_checkpoint_real.py``) as ``python -m tests.support.restart_worker CONFIG_JSON``
+from the repository root. It drives slime's own ``RolloutManager`` methods (as
 ``SlimeRolloutManager`` does) in ``train_async.py``'s order: generate rollout 0, then for each k
 generate rollout k + 1 before saving checkpoint k. The process is killed with SIGKILL where the
 config says:
@@ -25,7 +26,9 @@ import signal
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from april_slime.core import checkpoint
+from tests.support import real_tier
+
 KILL_IN_REWARD = False
 
 
@@ -51,13 +54,7 @@ def buffered(data_source) -> list[int]:
 def main() -> None:
     global KILL_IN_REWARD
     cfg = json.loads(sys.argv[1])
-    sys.path.insert(0, str(HERE))
-    import conftest as real_tier  # registers itself as ``real_tier``, as under pytest
-
-    from april_slime.core import checkpoint
-    from april_slime.workbench.localstack import LocalStack
-
-    stack = real_tier.RealStack(LocalStack(cfg["router_url"], cfg["engine_urls"], [], None),
+    stack = real_tier.RealStack(real_tier.LocalStack(cfg["router_url"], cfg["engine_urls"], [], None),
                                 Path(cfg["model_path"]), Path(cfg["model_path"]))
     args = real_tier.plugin_args(stack, Path(cfg["job_dir"]), **cfg["plugin_args"])
     m = real_tier.SlimeRolloutManager(args)

@@ -1,0 +1,239 @@
+"""The groups of one rollout step: where they come from, how they complete, where they go.
+
+Every change of a group's place goes through the step's ``GroupLedger`` (``april_slime.core.ledger``);
+``StepGroups`` decides the moves, the step's executor decides when (it opens as many groups as the
+policy asks for, and reports every group whose trajectories all finished).
+
+Intake (resumption first): the step first takes the whole buffer (``PartialBuffer.take`` applies
+the staleness bound and the resume priority; the groups it drops are counted as ``stale``) and
+opens those groups before any new prompt. New prompts are fetched from the prompt source only once
+the buffered groups are used up, and a fetched batch is checked as a whole before any of it enters
+the step. Opening a group queues its work items that need a call (the work kind's ``open``); a
+group opened complete is judged at once, and opening stops as soon as the target is met.
+
+Completion: a group counts once all of its trajectories finished (COMPLETED or TRUNCATED);
+finished members of unfinished groups stay with their group (CoPRIS eq. 7) and are never
+regenerated. A completed group is rewarded (``reward_fn`` awaited, in its own task so refills do
+not wait on it; its outcome comes back as a ``("rewarded", group, error)`` event), then
+``group_filter`` decides whether it counts. Rejected groups are dropped and counted; passing groups
+beyond the target are surplus. While the step recovers, completed groups are not judged.
+
+Leftovers: at the end of a successful step unopened, unfinished and unjudged groups go back into
+the buffer unchanged, then the surplus (or, without ``return_surplus``, it is dropped and counted).
+A failed or cancelled step puts every group it holds back, accepted and surplus ones included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Awaitable, Callable, Protocol
+
+from april_slime.core.buffer import PartialBuffer
+from april_slime.core.ledger import DROP_FILTERED, DROP_REJECTED, DROP_STALE, DROP_SURPLUS, GroupLedger, Place
+from april_slime.core.step_metrics import StepCounters, group_tokens
+from april_slime.core.types import Group, Trajectory, TrajectoryStatus
+from april_slime.core.work import TrajectoryWork
+
+logger = logging.getLogger(__name__)
+
+# the counters (groups, tokens) of StepCounters that each counted reason of a drop adds to
+_DROP_COUNTERS = {DROP_FILTERED: ("filtered_groups", "filtered_tokens"),
+                  DROP_SURPLUS: ("surplus_discarded_groups", "surplus_discarded_tokens"),
+                  DROP_REJECTED: ("rejected_groups", "rejected_tokens")}
+
+
+class PromptSource(Protocol):
+    def next_groups(self, n: int, current_version: int) -> list[Group]:
+        """Up to ``n`` fresh groups; fewer than asked means the dataset is exhausted."""
+
+
+class StepGroups:
+    """The groups of one ``run_step`` call, their ledger and their reward tasks."""
+
+    def __init__(self, *, buffer: PartialBuffer, prompt_source: PromptSource, current_version: int, target: int,
+                 n_samples_per_prompt: int, reward_fn: Callable[[Group], Awaitable[None]] | None,
+                 group_filter: Callable[[Group], bool] | None, return_surplus: bool, work: TrajectoryWork,
+                 queue: deque[Trajectory], counters: StepCounters, loop: asyncio.AbstractEventLoop,
+                 events: asyncio.Queue, recovering: Callable[[], bool]):
+        self.buffer = buffer
+        self.prompt_source = prompt_source
+        self.current_version = current_version
+        self.target = target
+        self.n_samples_per_prompt = n_samples_per_prompt
+        self.reward_fn = reward_fn
+        self.group_filter = group_filter
+        self.return_surplus = return_surplus
+        self.work = work
+        self.queue = queue  # the step's work items waiting for a call
+        self.counters = counters
+        self.loop = loop
+        self.events = events
+        self.ledger = GroupLedger()
+        self.rewards: dict[str, asyncio.Task] = {}  # group uid -> its reward task (while REWARDING)
+        self.exhausted = False  # the prompt source gave fewer groups than asked
+        self.recovering = recovering  # whether the step recovers: completed groups stay unjudged
+        self.stale_delta: dict[str, int] = {}
+        self.carried_groups = 0
+
+    @property
+    def accepted(self) -> int:
+        return self.ledger.count(Place.ACCEPTED)
+
+    # ------------------------------------------------------------------ intake
+    def take_buffer(self) -> None:
+        buffer = self.buffer
+        before_counters = buffer.counters()
+        before = {g.uid for g in buffer.groups()}
+        taken = buffer.take(len(buffer), self.current_version)
+        for group in taken:
+            self.ledger.move(group, to=Place.RESUME)
+        self.stale_delta = {k: buffer.counters()[k] - before_counters[k] for k in before_counters}
+        still_there = {g.uid for g in buffer.groups()}
+        for uid in before - still_there - {g.uid for g in taken}:
+            self.ledger.note_dropped(uid, DROP_STALE)
+
+    def open(self, k: int) -> int:
+        """Open up to ``k`` groups, buffered ones first; returns how many were opened. New prompts
+        are fetched only once the buffered groups are used up, and opening stops as soon as the
+        target is met (buffered complete groups count at once)."""
+        opened = 0
+        while opened < k and self.accepted < self.target:
+            group = self.ledger.first(Place.RESUME)
+            if group is not None:
+                self._open(group, resumed=True)
+            else:
+                if not self.ledger.count(Place.FRESH) and not self.exhausted:
+                    self._fetch_fresh(k - opened)
+                group = self.ledger.first(Place.FRESH)
+                if group is None:
+                    break
+                self._open(group, resumed=False)
+            opened += 1
+        return opened
+
+    def _fetch_fresh(self, k: int) -> None:
+        """Ask the prompt source for ``k`` groups; the batch is checked as a whole before any of
+        it is accepted, so a bad batch is refused without half of it entering the step."""
+        groups = list(self.prompt_source.next_groups(k, self.current_version))
+        if len(groups) > k:
+            raise ValueError(f"prompt source returned {len(groups)} groups when asked for {k}")
+        uids = [g.uid for g in groups]
+        n = self.n_samples_per_prompt
+        for group in groups:
+            if len(group.trajectories) != n:
+                raise ValueError(f"prompt source gave group {group.uid} with {len(group.trajectories)} "
+                                 f"trajectories, expected n_samples_per_prompt={n}")
+            if group.uid in self.ledger or group.uid in self.buffer or uids.count(group.uid) > 1:
+                raise ValueError(f"prompt source gave group {group.uid} twice")
+            if any(t.status is TrajectoryStatus.RUNNING for t in group.trajectories):
+                raise ValueError(f"prompt source gave group {group.uid} with a running trajectory")
+        if len(groups) < k:
+            self.exhausted = True
+        for group in groups:
+            self.ledger.move(group, to=Place.FRESH)
+
+    def _open(self, group: Group, resumed: bool) -> None:
+        if resumed:
+            self.counters.resumed_groups += 1
+        self.queue.extend(t for t in group.trajectories if self.work.open(t))
+        if group.complete:
+            self.complete(group)
+        else:
+            self.ledger.move(group, to=Place.ACTIVE)
+
+    # ------------------------------------------------------------------ completion
+    def complete(self, group: Group) -> None:
+        """All trajectories of ``group`` finished: reward it, or judge it at once."""
+        if self.recovering():
+            self.ledger.move(group, to=Place.UNJUDGED)
+            return
+        if self.reward_fn is not None and any(t.reward is None for t in group.trajectories):
+            self.ledger.move(group, to=Place.REWARDING)
+            self.rewards[group.uid] = self.loop.create_task(self._reward(group))
+        else:
+            self._judge(group)
+
+    async def _reward(self, group: Group) -> None:
+        try:
+            await self.reward_fn(group)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.events.put_nowait(("rewarded", group, e))
+        else:
+            self.events.put_nowait(("rewarded", group, None))
+
+    def on_rewarded(self, group: Group, error: Exception | None) -> Exception | None:
+        """A reward task ended. Returns the reward function's error when it must end the step."""
+        if self.ledger.place_of(group.uid) is not Place.REWARDING:
+            return None  # its reward was cancelled; the group was settled then
+        del self.rewards[group.uid]
+        if error is not None:
+            for t in group.trajectories:
+                t.reward = None
+            self.ledger.move(group, to=Place.UNJUDGED)
+            if self.recovering():
+                logger.warning("reward function failed on group %s while recovering: %s", group.uid, error)
+                return None
+            return error
+        if self.recovering():
+            self.ledger.move(group, to=Place.UNJUDGED)
+            return None
+        self._judge(group)
+        return None
+
+    def _judge(self, group: Group) -> None:
+        try:
+            keep = True if self.group_filter is None else bool(self.group_filter(group))
+        except Exception:
+            self.ledger.move(group, to=Place.UNJUDGED)
+            raise
+        if not keep:
+            self.drop(group, DROP_FILTERED)
+        else:
+            self.ledger.move(group, to=Place.ACCEPTED if self.accepted < self.target else Place.SURPLUS)
+
+    def cancel_rewards(self) -> None:
+        """Groups still being rewarded go back unjudged, their partial rewards cleared: the next
+        step rewards them again from scratch."""
+        for group in self.ledger.groups(Place.REWARDING):
+            self.rewards.pop(group.uid).cancel()
+            for t in group.trajectories:
+                t.reward = None
+            self.ledger.move(group, to=Place.UNJUDGED)
+
+    def drop(self, group: Group, reason: str) -> None:
+        """Discard ``group``, counted by its reason (its generated tokens count as discarded)."""
+        self.ledger.move(group, to=Place.DROPPED, reason=reason)
+        groups, tokens = _DROP_COUNTERS[reason]
+        setattr(self.counters, groups, getattr(self.counters, groups) + 1)
+        setattr(self.counters, tokens, getattr(self.counters, tokens) + group_tokens(group))
+        logger.info("group %s discarded: %s", group.uid, reason)
+
+    # ------------------------------------------------------------------ leftovers
+    def return_leftovers(self) -> None:
+        """End of a successful step: unopened, unfinished and unjudged groups, then the surplus,
+        go back into the buffer."""
+        self.carried_groups = self.ledger.count(Place.RESUME, Place.FRESH, Place.ACTIVE)
+        for group in self.ledger.groups(Place.RESUME, Place.FRESH, Place.ACTIVE, Place.UNJUDGED):
+            self._buffer(group)
+        self.counters.surplus_groups = self.ledger.count(Place.SURPLUS)
+        for group in self.ledger.groups(Place.SURPLUS):
+            if self.return_surplus:
+                self._buffer(group)
+            else:
+                self.drop(group, DROP_SURPLUS)
+
+    def return_all(self) -> None:
+        """End of a failed or cancelled step: every group it holds goes back into the buffer (its
+        rewards must have been cancelled and its calls settled)."""
+        for group in self.ledger.groups(Place.ACCEPTED, Place.SURPLUS, Place.UNJUDGED, Place.RESUME,
+                                        Place.FRESH, Place.ACTIVE):
+            if group.uid not in self.buffer:
+                self._buffer(group)
+
+    def _buffer(self, group: Group) -> None:
+        self.buffer.put(group)
+        self.ledger.move(group, to=Place.BUFFERED)

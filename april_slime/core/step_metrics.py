@@ -1,0 +1,151 @@
+"""What a rollout step measures: its counters, its in-flight timeline, and the metric dict of
+``StepResult.metrics`` built from them at the end of a successful step.
+
+Every metric is a float and every key is prefixed with ``april_slime.core.keys.METRIC_PREFIX``
+(``april/``):
+
+step_time_s, time_to_target_s (loop time until the target was met, before the abort drain),
+generated_tokens (every token that came back this step, aborted partials included),
+throughput_tokens_per_s (generated_tokens / step_time_s), aborted_tokens, engine_calls,
+engine_errors, abort_calls, abort_errors, load_poll_errors, truncated_without_call,
+stop_token_finishes (replies finished by their last token although the engine said abort or
+length), resumed_groups (buffered groups opened), resumed_trajectories (submitted with a partial
+response), filtered_groups, surplus_groups, surplus_discarded_groups, stale_restarted_groups,
+stale_dropped_groups, recomputed_tokens (thrown away by staleness restarts), discarded_tokens
+(filter rejections + discarded surplus + staleness drops + groups rejected by the engines),
+rejected_calls, rejected_groups, drain_cancelled_calls (pending at the drain deadline),
+stalled_engines, probe_failures, engines_excluded (out of dispatch at the end of the step),
+carried_groups (unfinished groups put back), buffer_groups, buffer_trajectories,
+buffer_partial_trajectories (unfinished with tokens), concurrency_limit (copris N' at the end; 0
+otherwise), inflight_mean (time-weighted over the step), inflight_max, inflight_min_while_work,
+returned_groups, returned_tokens, offpolicy_token_fraction (returned tokens whose version !=
+current_version), staleness_mean, staleness_max, staleness_hist/<k> (returned trajectories whose
+oldest token lags k versions).
+
+The timeline (``RolloutScheduler.last_timeline``) has one ``TimelinePoint`` per instant at which
+the step settled; ``in_flight`` counts model calls, whatever kind of work item made them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from april_slime.core.buffer import PartialBuffer
+from april_slime.core.keys import METRIC_PREFIX
+from april_slime.core.types import Group
+
+
+@dataclass
+class StepCounters:
+    engine_calls: int = 0
+    engine_errors: int = 0
+    abort_calls: int = 0
+    abort_errors: int = 0
+    generated_tokens: int = 0
+    aborted_tokens: int = 0
+    truncated_without_call: int = 0
+    stop_token_finishes: int = 0
+    resumed_groups: int = 0
+    filtered_groups: int = 0
+    filtered_tokens: int = 0
+    surplus_groups: int = 0
+    surplus_discarded_groups: int = 0
+    surplus_discarded_tokens: int = 0
+    rejected_calls: int = 0
+    rejected_groups: int = 0
+    rejected_tokens: int = 0
+    drain_cancelled_calls: int = 0
+    stalled_engines: int = 0
+    probe_failures: int = 0
+    load_poll_errors: int = 0
+    resumed_uids: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    """The scheduler's state after it settled (handled every ready reply and refilled)."""
+
+    time: float  # seconds since the step started (loop time)
+    in_flight: int
+    limit: int | None  # copris: N' at that moment; None for sync / april
+    work_remaining: bool  # the target is not reached and there is something left to submit
+
+
+def record(timeline: list[TimelinePoint], point: TimelinePoint) -> None:
+    if timeline and timeline[-1].time == point.time:
+        timeline[-1] = point  # only the settled state of an instant matters
+    else:
+        timeline.append(point)
+
+
+def group_tokens(group: Group) -> int:
+    return sum(t.response_length for t in group.trajectories)
+
+
+def step_metrics(*, clock: Callable[[], float], t0: float, t_target: float | None, counters: StepCounters,
+                 stale_delta: dict[str, int], engines_excluded: int, carried_groups: int,
+                 buffer: PartialBuffer, concurrency_limit: int | None, timeline: list[TimelinePoint],
+                 returned: list[Group], current_version: int) -> dict[str, float]:
+    c = counters
+    step_time = clock() - t0
+    m: dict[str, float] = {
+        "step_time_s": step_time,
+        "time_to_target_s": t_target,
+        "generated_tokens": c.generated_tokens,
+        "throughput_tokens_per_s": c.generated_tokens / step_time if step_time > 0 else 0.0,
+        "aborted_tokens": c.aborted_tokens,
+        "engine_calls": c.engine_calls,
+        "engine_errors": c.engine_errors,
+        "abort_calls": c.abort_calls,
+        "abort_errors": c.abort_errors,
+        "load_poll_errors": c.load_poll_errors,
+        "truncated_without_call": c.truncated_without_call,
+        "stop_token_finishes": c.stop_token_finishes,
+        "resumed_groups": c.resumed_groups,
+        "resumed_trajectories": len(c.resumed_uids),
+        "filtered_groups": c.filtered_groups,
+        "surplus_groups": c.surplus_groups,
+        "surplus_discarded_groups": c.surplus_discarded_groups,
+        "stale_restarted_groups": stale_delta["restarted_groups"],
+        "stale_dropped_groups": stale_delta["dropped_groups"],
+        "recomputed_tokens": stale_delta["restarted_tokens"],
+        "discarded_tokens": c.filtered_tokens + c.surplus_discarded_tokens + c.rejected_tokens
+        + stale_delta["dropped_tokens"],
+        "rejected_calls": c.rejected_calls,
+        "rejected_groups": c.rejected_groups,
+        "drain_cancelled_calls": c.drain_cancelled_calls,
+        "stalled_engines": c.stalled_engines,
+        "probe_failures": c.probe_failures,
+        "engines_excluded": engines_excluded,
+        "carried_groups": carried_groups,
+        "buffer_groups": len(buffer),
+        "buffer_trajectories": buffer.num_trajectories(),
+        "buffer_partial_trajectories": buffer.num_partial_trajectories(),
+        "concurrency_limit": 0 if concurrency_limit is None else concurrency_limit,
+    }
+    m.update(_in_flight_stats(timeline, clock() - t0))
+    trajectories = [t for g in returned for t in g.trajectories]
+    tokens = sum(t.response_length for t in trajectories)
+    m["returned_groups"] = len(returned)
+    m["returned_tokens"] = tokens
+    m["offpolicy_token_fraction"] = (
+        sum(t.offpolicy_tokens(current_version) for t in trajectories) / tokens if tokens else 0.0)
+    staleness = [t.staleness(current_version) for t in trajectories]
+    m["staleness_mean"] = sum(staleness) / len(staleness) if staleness else 0.0
+    m["staleness_max"] = max(staleness, default=0)
+    for k in sorted(set(staleness)):
+        m[f"staleness_hist/{k}"] = staleness.count(k)
+    return {METRIC_PREFIX + k: float(v) for k, v in m.items()}
+
+
+def _in_flight_stats(points: list[TimelinePoint], end: float) -> dict[str, float]:
+    weighted = 0.0
+    for p, nxt in zip(points, points[1:] + [None]):
+        weighted += p.in_flight * ((nxt.time if nxt else end) - p.time)
+    working = [p.in_flight for p in points if p.work_remaining]
+    return {
+        "inflight_mean": weighted / end if end > 0 else (points[-1].in_flight if points else 0),
+        "inflight_max": max((p.in_flight for p in points), default=0),
+        "inflight_min_while_work": min(working, default=0),
+    }

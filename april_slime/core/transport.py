@@ -1,0 +1,94 @@
+"""How one JSON request reaches an engine: the ``Transport`` protocol and its aiohttp implementation.
+
+The client (``engine.py``) owns timeouts, retries and validation; a transport only moves bytes and
+reports what happened, so an in-process stand-in (the emulator's cluster) can take its place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Protocol
+
+import aiohttp
+
+
+class TransportHTTPError(Exception):
+    """An engine answered with a non-2xx status; ``body`` is its decoded JSON (or text) reply."""
+
+    def __init__(self, status: int, body):
+        super().__init__(f"HTTP {status}: {body}")
+        self.status = status
+        self.body = body
+
+
+class Transport(Protocol):
+    """Moves one JSON request to an engine and returns its decoded JSON reply.
+
+    Raises ``TransportHTTPError(status, body)`` on a non-2xx reply, ``ConnectionError``/``OSError``
+    when the engine cannot be reached or drops the connection, ``asyncio.TimeoutError`` when
+    ``timeout_s`` passes, and ``ValueError`` when a 2xx body is not JSON. An empty 2xx body (SGLang's
+    ``/abort_request``) is returned as ``None``.
+    """
+
+    async def request(
+        self, method: str, url: str, path: str, payload: dict | None, timeout_s: float
+    ) -> dict: ...
+
+
+class HttpTransport:
+    """``Transport`` over aiohttp with one shared session (connection pooling across requests).
+
+    The session is created on first use, inside the running loop, so the transport can be built
+    anywhere. Connection limits are lifted: the scheduler decides how many requests are in flight,
+    and a pool cap here would silently queue them behind the client's timeout.
+    """
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+                # per-request timeouts are passed to every call
+                timeout=aiohttp.ClientTimeout(total=None),
+            )
+        return self._session
+
+    async def request(
+        self, method: str, url: str, path: str, payload: dict | None, timeout_s: float
+    ) -> Any:
+        session = self._get_session()
+        try:
+            async with session.request(
+                method,
+                url.rstrip("/") + path,
+                json=payload,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as response:
+                text = await response.text()
+                status = response.status
+        except asyncio.TimeoutError:
+            raise
+        except aiohttp.ClientError as exc:
+            # ClientConnectorError is already an OSError, but a server that drops the connection
+            # mid-reply raises ServerDisconnectedError, which is not: normalise both.
+            raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
+        if not 200 <= status < 300:
+            try:
+                body: Any = json.loads(text)
+            except ValueError:
+                body = text
+            raise TransportHTTPError(status, body)
+        if not text.strip():
+            return None
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"reply is not JSON: {text[:200]!r}") from exc
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None

@@ -1,0 +1,121 @@
+"""slime's data source for the plugin (``AprilDataSource``) and the rollout side's settings check.
+
+slime jobs name it through the rollout module, ``--data-source-path april_slime.rollout.AprilDataSource``,
+which re-exports it. It joins slime's prompts (slime's own ``RolloutDataSource``, inside), the
+partial buffer the scheduler resumes from, and their checkpoints: the save and load order lives in
+``april_slime.core.checkpoint``; this class keeps slime's ``save(rollout_id)`` / ``load(rollout_id)``
+and the policy versions the rollout function sets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from april_slime import settings
+from april_slime.core import checkpoint
+from april_slime.core.buffer import PartialBuffer
+from april_slime.core.config import AprilConfig, AprilConfigError
+from april_slime.core.types import Group
+from april_slime.samples import SampleCodec, Slime
+
+
+def load_config(args: Any) -> AprilConfig:
+    """The validated plugin settings of a slime job, cross-checked with slime's own arguments.
+
+    Any problem raises ``AprilConfigError`` with one line naming the key, which stops the job at
+    start (the data source is built when slime's rollout manager starts).
+    """
+    config = settings.for_job(args)
+    if getattr(args, "rollout_max_response_len", None) is None:
+        raise AprilConfigError("rollout_max_response_len: must be set; it is the response budget that "
+                               "partial rollouts are resumed against")
+    if getattr(args, "rollout_top_p", 1.0) != 1.0:
+        raise AprilConfigError(f"rollout_top_p: must be 1.0 with april_slime (got {args.rollout_top_p}); "
+                               "slime's top-p token replay is not carried through partial rollouts")
+    if getattr(args, "use_rollout_routing_replay", False):
+        raise AprilConfigError("use_rollout_routing_replay: not supported with april_slime; routed experts "
+                               "are not carried through partial rollouts")
+    if getattr(args, "custom_generate_function_path", None):
+        raise AprilConfigError("custom_generate_function_path: not supported for training with april_slime, "
+                               "whose scheduler makes the generate calls itself")
+    return config
+
+
+class AprilDataSource:
+    """slime data source (``--data-source-path april_slime.rollout.AprilDataSource``).
+
+    Prompts are slime's: a ``slime.rollout.data_source.RolloutDataSource`` inside does the dataset,
+    shuffling, epochs and its own checkpoint state, unchanged. Partial and surplus groups live in
+    the ``PartialBuffer`` this class owns, and are saved with every slime checkpoint next to slime's
+    data-source state (``<save>/rollout/``), so a restarted job resumes every partial.
+
+    To the scheduler it is the ``PromptSource`` (``next_groups``). To slime it is a ``DataSource``:
+    ``get_samples`` / ``add_samples`` behave like slime's ``RolloutDataSourceWithBuffer`` (buffered
+    groups first, then fresh prompts) for rollout functions other than ours.
+    """
+
+    def __init__(self, args: Any) -> None:
+        self.args = args
+        self.config = load_config(args)
+        self._slime = Slime()
+        self._codec = SampleCodec(self._slime, args, self.config)
+        self._prompts = self._slime.RolloutDataSource(args)
+        self.buffer = PartialBuffer.from_config(self.config)
+        # policy version of the latest training step (saved with the buffer)
+        self.policy_version: int | None = None
+        # version saved by the checkpoint this job was restored from; consumed by the first step
+        self.restored_policy_version: int | None = None
+        self._checkpoints = checkpoint.Checkpoints(self._prompts, self.buffer, args, self.config.buffer_dir)
+
+    # ------------------------------------------------------------ PromptSource
+    def next_groups(self, n: int, current_version: int) -> list[Group]:
+        if n <= 0:
+            return []
+        return [self._codec.new_group(samples, current_version) for samples in self._prompts.get_samples(n)]
+
+    # ------------------------------------------------------------ slime DataSource
+    def get_samples(self, num_samples: int) -> list[list[Any]]:
+        version = self.policy_version or 0
+        groups = self.buffer.take(num_samples, version)
+        out = []
+        for group in groups:
+            samples = self._codec.samples(group, None)
+            for s in samples:
+                # another rollout function extends these responses, so versions recorded here would
+                # no longer cover them; ``weight_versions`` still says which policies generated them
+                s.train_metadata = None
+            out.append(samples)
+        if len(out) < num_samples:
+            out += self._prompts.get_samples(num_samples - len(out))
+        return out
+
+    def add_samples(self, samples: list[list[Any]]) -> None:
+        """Buffer groups handed back by slime code (its own partial rollout, or a user's
+        ``--rollout-all-samples-process-path``). A group already buffered is refused, never doubled."""
+        if not samples:
+            return
+        version = self.policy_version or 0
+        groups = [self._codec.group_from_samples(group, version) for group in samples]
+        for group in groups:
+            self.buffer.put(group)
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    # ------------------------------------------------------------ checkpoints
+    # The design (what is saved, when, which file wins, what a kill leaves) and its order are
+    # april_slime.core.checkpoint's; these are the calls slime and the rollout function make.
+    def snapshot(self, rollout_id: int) -> None:
+        """Record the state as of the end of rollout ``rollout_id``; ``save(rollout_id)`` writes it
+        even when a later rollout has run in between (slime's train_async.py)."""
+        self._checkpoints.snapshot(rollout_id, self.policy_version)
+
+    def save(self, rollout_id: int) -> None:
+        """Write checkpoint ``rollout_id`` (slime calls it right after saving the model)."""
+        self._checkpoints.save(rollout_id, self.policy_version)
+
+    def load(self, rollout_id: int | None = None) -> None:
+        """Restore checkpoint ``rollout_id``: all of it, or stop the job naming the file."""
+        restored = self._checkpoints.load(rollout_id)
+        if restored is not None:
+            self.policy_version = self.restored_policy_version = restored.policy_version

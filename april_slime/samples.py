@@ -1,0 +1,268 @@
+"""slime's ``Sample`` at the plugin's boundary: the codec between slime samples and ``Group`` records,
+and the slime objects the plugin uses, imported lazily.
+
+This is the only module that knows slime's ``Sample``: prompts come in as slime samples and leave as
+``Group`` records for the scheduler; completed groups come back and leave as slime samples for the
+trainer. Everything slime-specific is imported lazily (``Slime``), so the plugin imports without
+slime and fails with a clear ``ImportError`` only on a path that needs it.
+
+Each sample carries its per-token policy versions (``TOKEN_VERSIONS_KEY``, run-length encoded) and
+the policy version of the step it trains in (``POLICY_VERSION_KEY``) in ``train_metadata`` and
+``metadata``, where the loss reads them (``april_slime.core.keys``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import math
+from typing import Any
+
+from april_slime.core.config import AprilConfig, AprilConfigError
+from april_slime.core.keys import POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
+from april_slime.core.types import Group, Trajectory, TrajectoryStatus
+
+_STATUS_TO_SLIME = {
+    TrajectoryStatus.PENDING: "PENDING",
+    TrajectoryStatus.RUNNING: "PENDING",
+    TrajectoryStatus.COMPLETED: "COMPLETED",
+    TrajectoryStatus.TRUNCATED: "TRUNCATED",
+    TrajectoryStatus.ABORTED: "ABORTED",
+    TrajectoryStatus.FAILED: "FAILED",
+}
+
+
+# ====================================================================== slime, imported lazily
+class Slime:
+    """The slime objects the plugin uses, resolved at call time (never at import time)."""
+
+    def __init__(self) -> None:
+        try:
+            self.Sample = slime_attr("slime.utils.types", "Sample")
+            self.load_tokenizer = slime_attr("slime.utils.processing_utils", "load_tokenizer")
+            self.load_function = slime_attr("slime.utils.misc", "load_function")
+            self.run = slime_attr("slime.utils.async_utils", "run")
+            self.RolloutDataSource = slime_attr("slime.rollout.data_source", "RolloutDataSource")
+            self.async_rm = slime_attr("slime.rollout.rm_hub", "async_rm")
+            self.batched_async_rm = slime_attr("slime.rollout.rm_hub", "batched_async_rm")
+            self.call_dynamic_filter = slime_attr("slime.rollout.filter_hub.base_types", "call_dynamic_filter")
+        except ImportError as e:
+            raise ImportError(
+                f"april_slime.rollout needs slime (THUDM/slime) on the Python path for this call: {e}"
+            ) from e
+        # Optional pieces: older slime builds lack them.
+        self.RolloutFnTrainOutput = _optional_attr("slime.rollout.base_types", "RolloutFnTrainOutput")
+        self.apply_rollout_sample_hooks = _optional_attr("slime.rollout.sample_hooks", "apply_rollout_sample_hooks")
+
+
+def slime_attr(module: str, name: str) -> Any:
+    """``module.name``, imported now; an ``ImportError`` naming both when either is missing."""
+    mod = importlib.import_module(module)
+    try:
+        return getattr(mod, name)
+    except AttributeError as e:
+        raise ImportError(f"{module} has no {name}") from e
+
+
+def _optional_attr(module: str, name: str) -> Any:
+    try:
+        return slime_attr(module, name)
+    except ImportError:
+        return None
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def _tokenizer(slime: Slime, args: Any) -> Any:
+    """slime's own tokenizer loader, once per checkpoint path (loading an HF tokenizer is slow)."""
+    path = getattr(args, "hf_checkpoint", None)
+    if not path:
+        raise AprilConfigError("hf_checkpoint: must be set (the tokenizer is loaded from it)")
+    if path not in _TOKENIZERS:
+        _TOKENIZERS[path] = slime.load_tokenizer(path, trust_remote_code=True)
+    return _TOKENIZERS[path]
+
+
+# ====================================================================== Sample <-> Group
+def sampling_seed(rollout_seed: int, group_uid: str, index: int) -> int:
+    """Fixed per trajectory for its whole life, so a resumed call continues the same random stream,
+    and reproducible across restarts (a pure function of the job seed and the trajectory id)."""
+    digest = hashlib.blake2b(f"{rollout_seed}:{group_uid}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe copy of a prompt sample's fields (datasets read from parquet hand numpy values)."""
+
+    def default(obj: Any) -> Any:
+        if hasattr(obj, "tolist"):
+            return obj.tolist()
+        if isinstance(obj, (set, frozenset)):
+            return sorted(obj)
+        raise TypeError(f"a prompt sample field of type {type(obj).__name__} cannot be buffered as JSON")
+
+    return json.loads(json.dumps(value, default=default, allow_nan=False))
+
+
+class SampleCodec:
+    """Converts between slime samples and the rollout records, at this boundary only."""
+
+    def __init__(self, slime: Slime, args: Any, config: AprilConfig) -> None:
+        self.slime = slime
+        self.args = args
+        self.config = config
+        self.n = args.n_samples_per_prompt
+        self.budget = args.rollout_max_response_len
+        self.seed = getattr(args, "rollout_seed", 42)
+
+    @property
+    def tokenizer(self) -> Any:
+        return _tokenizer(self.slime, self.args)
+
+    # ------------------------------------------------------------ prompts -> groups
+    def prompt_ids(self, sample: Any) -> list[int]:
+        inputs = getattr(sample, "multimodal_inputs", None) or {}
+        if any(v is not None for v in inputs.values()):
+            raise ValueError(f"prompt {sample.index}: multimodal prompts are not supported by april_slime")
+        if sample.tokens:
+            ids = list(sample.tokens)
+        else:
+            ids = list(self.tokenizer.encode(sample.prompt, add_special_tokens=False))
+        if not ids:
+            raise ValueError(f"prompt {sample.index}: encodes to no tokens")
+        return ids
+
+    def new_group(self, samples: list[Any], current_version: int) -> Group:
+        """A fresh group from one prompt's slime samples (as slime's data source hands them out)."""
+        if len(samples) != self.n:
+            raise ValueError(f"a prompt group has {len(samples)} samples, expected n_samples_per_prompt={self.n}")
+        first = samples[0]
+        if first.group_index is None:
+            raise ValueError("prompt samples carry no group_index; the data source must set it")
+        uid = str(first.group_index)
+        prompt_ids = self.prompt_ids(first)
+        prompt = first.to_dict()
+        prompt["tokens"] = []  # the prompt ids live in the group; never store them twice
+        trajectories = [
+            Trajectory(uid=f"{uid}/{i}", group_uid=uid, index_in_group=i, prompt_ids=list(prompt_ids),
+                       max_new_tokens=self.budget, sampling_seed=sampling_seed(self.seed, uid, i))
+            for i in range(self.n)
+        ]
+        payload = {"prompt_sample": _plain(prompt), "group_index": first.group_index,
+                   "indices": [s.index for s in samples]}
+        return Group(uid=uid, prompt_ids=list(prompt_ids), trajectories=trajectories,
+                     created_version=current_version, payload=payload)
+
+    # ------------------------------------------------------------ groups -> slime samples
+    def sample(self, group: Group, t: Trajectory, current_version: int | None) -> Any:
+        """The slime sample of one trajectory, shaped as slime's own ``generate`` leaves it."""
+        Sample = self.slime.Sample
+        s = Sample.from_dict(group.payload["prompt_sample"])
+        s.group_index = group.payload["group_index"]
+        s.index = group.payload["indices"][t.index_in_group]
+        s.tokens = list(t.prompt_ids) + list(t.response_ids)
+        s.response_length = t.response_length
+        # decoded once over the whole response: stage boundaries can split a multi-byte character
+        s.response = (self.tokenizer.decode(t.response_ids, skip_special_tokens=bool(
+            getattr(self.args, "rollout_skip_special_tokens", False))) if t.response_ids else "")
+        s.rollout_log_probs = [float(lp) for lp in t.logprobs]
+        s.loss_mask = self._loss_mask(t, current_version)
+        s.status = Sample.Status[_STATUS_TO_SLIME[t.status]]
+        # slime keeps one engine-reported string per generate call, resumptions included.
+        s.weight_versions = [str(v) for v in t.call_versions]
+        s.reward = t.reward
+        runs = [[int(v), int(c)] for v, c in t.version_runs]
+        info = {TOKEN_VERSIONS_KEY: runs, POLICY_VERSION_KEY: current_version}
+        s.train_metadata = {**(s.train_metadata or {}), **info}
+        s.metadata = {**(s.metadata or {}), **info, "april_num_calls": t.num_calls,
+                      "april_num_aborts": t.num_aborts, "april_group_restarts": group.restarts}
+        return s
+
+    def _loss_mask(self, t: Trajectory, current_version: int | None) -> list[int]:
+        # slime's --mask-offpolicy-in-partial-rollout trains only on tokens of the current policy
+        if getattr(self.args, "mask_offpolicy_in_partial_rollout", False) and current_version is not None:
+            return [int(v == current_version) for v in t.token_versions()]
+        return [1] * t.response_length
+
+    def samples(self, group: Group, current_version: int | None) -> list[Any]:
+        return [self.sample(group, t, current_version) for t in group.trajectories]
+
+    # ------------------------------------------------------------ slime samples -> groups
+    def group_from_samples(self, samples: list[Any], current_version: int) -> Group:
+        """A group from slime samples handed back through ``add_samples``, keeping every response
+        whose tokens, log-probs and versions are known; any other is restarted from its prompt."""
+        if len(samples) != self.n:
+            raise ValueError(f"add_samples: a group has {len(samples)} samples, expected {self.n}")
+        first = samples[0]
+        prompt_len = len(first.tokens) - first.response_length if first.tokens else 0
+        prompt_ids = list(first.tokens[:prompt_len]) if prompt_len > 0 else self.prompt_ids(first)
+        group = self.new_group([self._as_prompt(s, prompt_ids) for s in samples], current_version)
+        for s, t in zip(samples, group.trajectories):
+            t.reward = s.reward
+            self._restore_response(s, t, prompt_ids)
+        return group
+
+    def _as_prompt(self, s: Any, prompt_ids: list[int]) -> Any:
+        Sample = self.slime.Sample
+        p = Sample.from_dict(_plain_sample_dict(s))
+        p.tokens, p.response, p.response_length = list(prompt_ids), "", 0
+        p.loss_mask = p.rollout_log_probs = p.train_metadata = None
+        p.weight_versions, p.reward, p.status = [], None, Sample.Status.PENDING
+        p.metadata = {k: v for k, v in (p.metadata or {}).items() if not k.startswith("april_")}
+        return p
+
+    def _restore_response(self, s: Any, t: Trajectory, prompt_ids: list[int]) -> None:
+        length = s.response_length
+        status = s.status.name
+        response = list(s.tokens[len(prompt_ids):]) if s.tokens else []
+        logprobs = s.rollout_log_probs or []
+        runs = self._known_versions(s, length)
+        usable = (length > 0 and len(response) == length and len(logprobs) == length and runs is not None
+                  and all(math.isfinite(float(x)) for x in logprobs) and length <= t.max_new_tokens
+                  and status in ("COMPLETED", "TRUNCATED", "ABORTED"))
+        if not usable:
+            t.reward = None
+            return
+        t.response_ids = response
+        t.logprobs = [float(x) for x in logprobs]
+        t.version_runs = runs
+        # The calls' versions go with the response: handed out again (``get_samples``) without a
+        # new call, the sample must still say which policies generated it, or it would restart.
+        t.call_versions = self._call_versions(s) or [v for v, _ in runs]
+        t.status = TrajectoryStatus[status]
+        t.finish_reason = {"COMPLETED": "stop", "TRUNCATED": "length", "ABORTED": "abort"}[status]
+        if not t.status.finished:
+            t.reward = None
+
+    @staticmethod
+    def _known_versions(s: Any, length: int) -> list[list[int]] | None:
+        """Per-token versions: ours when the sample came from this module, else every token gets
+        the oldest version slime recorded (overstates staleness, never understates it)."""
+        runs = (s.train_metadata or {}).get(TOKEN_VERSIONS_KEY)
+        if runs is not None:
+            runs = [[int(v), int(c)] for v, c in runs]
+            if sum(c for _, c in runs) == length:
+                return runs
+        versions = SampleCodec._call_versions(s)
+        return [[min(versions), length]] if versions else None
+
+    @staticmethod
+    def _call_versions(s: Any) -> list[int]:
+        """The integer versions among slime's per-call ``weight_versions`` strings."""
+        versions = []
+        for v in s.weight_versions or []:
+            try:
+                versions.append(int(v))
+            except (TypeError, ValueError):
+                pass
+        return versions
+
+
+def _plain_sample_dict(s: Any) -> dict:
+    d = s.to_dict()
+    for key in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets", "rollout_routed_experts",
+                "multimodal_train_inputs"):
+        d[key] = None
+    return _plain(d)

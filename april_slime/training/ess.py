@@ -1,0 +1,128 @@
+"""The ESS learning-rate rule of VCPO: one optimizer step's learning rate scaled by the effective
+sample size of exactly the batch that produced its gradient.
+
+Huang et al., "Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs", eq. 4-5: the
+learning rate is multiplied by ``clamp(sqrt(ESS_ratio / rho_on), min, max)``, where
+``ESS_ratio = (sum w)^2 / (N sum w^2)`` of the unclipped sequence-level importance weights
+``w_i = pi_theta(y_i|x_i) / mu(y_i|x_i)``. The ESS statistics themselves are
+``april_slime.training.offpolicy.EssStats``; this module owns when they are collected, reduced and
+applied to an optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+
+from april_slime.training import offpolicy
+
+__all__ = ["EssLrScaler"]
+
+
+class EssLrScaler:
+    """Owns the ESS learning-rate rule: rho_on, the statistics of the current step, the last scale.
+
+    Call order per optimizer step: ``begin_step()`` -> ``observe(seq_log_weights)`` for every
+    micro-batch of the step -> the optimizer step runs inside ``scaled_lr(optimizer)`` (which
+    reduces the statistics across ranks, multiplies every param group's ``lr`` by the factor and
+    puts the exact previous values back afterwards, whatever the step does). ``wrap_optimizer``
+    installs that context around ``optimizer.step`` once.
+
+    rho_on: given, or the ESS ratio of the first step at which any weight was observed (the
+    paper estimates it from one on-policy step; the first step of a run is the on-policy one).
+    That step's factor is therefore 1.
+    """
+
+    def __init__(self, rho_on: float | None = None, scale_min: float = 0.0, scale_max: float = 1.0,
+                 group=None) -> None:
+        if rho_on is not None and not (0.0 < rho_on <= 1.0):
+            raise ValueError(f"rho_on must be in (0, 1], got {rho_on}")
+        if not (0.0 <= scale_min <= scale_max):
+            raise ValueError(f"need 0 <= scale_min <= scale_max, got {scale_min}, {scale_max}")
+        self.rho_on = rho_on
+        self.rho_on_from_first_step = rho_on is None
+        self.scale_min = scale_min
+        self.scale_max = scale_max
+        self.group = group
+        self._stats = offpolicy.EssStats()
+        self._device: torch.device | str = "cpu"
+        self.last_ess_ratio: float = float("nan")
+        self.last_scale: float = 1.0
+        self.steps_scaled = 0
+
+    # -- per step --------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self._stats = offpolicy.EssStats()
+
+    def observe(self, seq_log_weights: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Unclipped sequence log importance weights ``log pi_theta(y|x) - log mu(y|x)`` [N] of
+        samples of the current step (any number of calls per step; whole sequences, not CP chunks;
+        ``valid`` excludes samples). Local only: the cross-rank reduction waits for the optimizer
+        step, because data-parallel ranks may run different numbers of micro-batches."""
+        self._device = seq_log_weights.device
+        self._stats.add(seq_log_weights, valid)
+
+    def compute_scale(self) -> float:
+        """Collective over ``group``: every rank must call it once per step."""
+        stats = self._stats.reduce(self.group, device=self._device)
+        if stats.num_samples == 0:
+            # Nothing was measured anywhere (e.g. a loss that does not feed the scaler): leave
+            # the step unscaled.
+            self.last_ess_ratio, self.last_scale = float("nan"), 1.0
+            return 1.0
+        ratio = stats.ess_ratio
+        if self.rho_on is None:
+            self.rho_on = ratio
+        self.last_ess_ratio = ratio
+        self.last_scale = min(self.scale_max, max(self.scale_min, math.sqrt(ratio / self.rho_on)))
+        return self.last_scale
+
+    @contextlib.contextmanager
+    def scaled_lr(self, optimizer) -> Iterator[float]:
+        scale = self.compute_scale()
+        groups = list(optimizer.param_groups)
+        saved = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] = group["lr"] * scale
+        self.steps_scaled += 1
+        try:
+            yield scale
+        finally:
+            # Restore the exact values: a scheduler that overwrites lr after the step makes this
+            # redundant, but a skipped step (inf/nan grads: no scheduler step) must not keep it.
+            for group, lr in zip(groups, saved):
+                group["lr"] = lr
+            self._stats = offpolicy.EssStats()
+
+    def wrap_optimizer(self, optimizer) -> None:
+        """Make ``optimizer.step()`` run inside ``scaled_lr`` (idempotent, instance-level)."""
+        current = optimizer.step
+        if getattr(current, "_vcpo_scaler", None) is self:
+            return
+        original = getattr(current, "_vcpo_original", current)
+
+        def step(*args, **kwargs):
+            with self.scaled_lr(optimizer):
+                return original(*args, **kwargs)
+
+        step._vcpo_scaler = self  # type: ignore[attr-defined]
+        step._vcpo_original = original  # type: ignore[attr-defined]
+        optimizer.step = step
+
+    # -- persistence -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"rho_on": self.rho_on, "last_ess_ratio": self.last_ess_ratio,
+                "last_scale": self.last_scale, "steps_scaled": self.steps_scaled}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rho_on = state["rho_on"]
+        self.last_ess_ratio = state["last_ess_ratio"]
+        self.last_scale = state["last_scale"]
+        self.steps_scaled = state["steps_scaled"]
+
+    def metrics(self) -> dict[str, float]:
+        return {"vcpo/ess_ratio": self.last_ess_ratio, "vcpo/lr_scale": self.last_scale,
+                "vcpo/rho_on": float("nan") if self.rho_on is None else self.rho_on}
