@@ -16,6 +16,7 @@ from april_slime.core import checkpoint
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.config import AprilConfig, AprilConfigError
 from april_slime.core.types import Group
+from april_slime.generate_functions import load_generate_function
 from april_slime.samples import SampleCodec, Slime
 
 
@@ -35,9 +36,6 @@ def load_config(args: Any) -> AprilConfig:
     if getattr(args, "use_rollout_routing_replay", False):
         raise AprilConfigError("use_rollout_routing_replay: not supported with april_slime; routed experts "
                                "are not carried through partial rollouts")
-    if getattr(args, "custom_generate_function_path", None):
-        raise AprilConfigError("custom_generate_function_path: not supported for training with april_slime, "
-                               "whose scheduler makes the generate calls itself")
     return config
 
 
@@ -59,6 +57,8 @@ class AprilDataSource:
         self.config = load_config(args)
         self._slime = Slime()
         self._codec = SampleCodec(self._slime, args, self.config)
+        if getattr(args, "custom_generate_function_path", None):
+            load_generate_function(self._slime, args.custom_generate_function_path, "custom_generate_function_path")
         self._prompts = self._slime.RolloutDataSource(args)
         self.buffer = PartialBuffer.from_config(self.config)
         # policy version of the latest training step (saved with the buffer)

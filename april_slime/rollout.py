@@ -35,9 +35,12 @@ from collections import Counter
 from typing import Any
 
 from april_slime.core.config import AprilConfigError
+from april_slime.core.episodes import EpisodeRunner
+from april_slime.core.front import EpisodeFront
 from april_slime.core.keys import METRIC_PREFIX
 from april_slime.core.types import Group
 from april_slime.data_source import AprilDataSource, load_config
+from april_slime.generate_functions import GenerateFunctions
 from april_slime.samples import SampleCodec, slime_attr
 
 logger = logging.getLogger(__name__)
@@ -130,6 +133,25 @@ class _Runtime:
                           if getattr(args, "dynamic_sampling_filter_path", None) else None)
         self.filter_drops: Counter[str] = Counter()
         self.current_version: int | None = None
+        # jobs with a custom generate function: its episodes, and the front their calls reach
+        self.functions = (GenerateFunctions(self.slime, args, self.codec, sampling_params(args))
+                          if getattr(args, "custom_generate_function_path", None) else None)
+        self.episodes: EpisodeRunner | None = None
+        self.front: EpisodeFront | None = None
+
+    async def _start_episodes(self) -> None:
+        """Once per job, on the persistent loop: the runner of its episodes and the front (on
+        127.0.0.1) that their generate functions call instead of slime's router."""
+        if self.functions is None or self.episodes is not None:
+            return
+        config = self.config
+        self.episodes = EpisodeRunner(self.functions, max_failures=config.max_episode_failures,
+                                      tool_timeout_s=config.episode_tool_timeout_s)
+        self.front = EpisodeFront(self.episodes, tokenize=self.functions.tokenize,
+                                  vocab_size=_vocab_size(self.codec),
+                                  default_max_new_tokens=self.args.rollout_max_response_len)
+        await self.front.start()
+        self.functions.point_at(self.front.host, self.front.port)
 
     # ------------------------------------------------------------ engines
     async def _connect(self) -> None:
@@ -137,6 +159,7 @@ class _Runtime:
         fault tolerance restarted on new ports are picked up."""
         from april_slime.core.engine import EngineClient
 
+        await self._start_episodes()
         fresh = await EngineClient.from_router(
             self.router_url, timeout_s=self.config.request_timeout_s, max_retries=self.config.max_retries,
             retry_backoff_s=self.config.retry_backoff_s, vocab_size=_vocab_size(self.codec))
@@ -168,6 +191,7 @@ class _Runtime:
             controller=self.controller,
             over_sampling_batch_size=_explicit_over_sampling(args),
             eos_token_id=_eos_token_ids(self.codec),
+            episodes=self.episodes,
         )
 
     async def _policy_version(self) -> int:
@@ -258,6 +282,12 @@ class _Runtime:
         return groups, metrics
 
     async def close(self) -> None:
+        if self.episodes is not None:  # first: its calls' requests then end, and the front closes at once
+            await self.episodes.close()
+            self.episodes = None
+        if self.front is not None:
+            await self.front.close()
+            self.front = None
         if self.client is not None:
             await self.client.close()
             self.client = None

@@ -13,6 +13,7 @@ the policy version of the step it trains in (``POLICY_VERSION_KEY``) in ``train_
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import json
@@ -93,7 +94,7 @@ def sampling_seed(rollout_seed: int, group_uid: str, index: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """JSON-safe copy of a prompt sample's fields (datasets read from parquet hand numpy values)."""
 
     def default(obj: Any) -> Any:
@@ -150,18 +151,31 @@ class SampleCodec:
                        max_new_tokens=self.budget, sampling_seed=sampling_seed(self.seed, uid, i))
             for i in range(self.n)
         ]
-        payload = {"prompt_sample": _plain(prompt), "group_index": first.group_index,
+        payload = {"prompt_sample": plain(prompt), "group_index": first.group_index,
                    "indices": [s.index for s in samples]}
         return Group(uid=uid, prompt_ids=list(prompt_ids), trajectories=trajectories,
                      created_version=current_version, payload=payload)
 
     # ------------------------------------------------------------ groups -> slime samples
-    def sample(self, group: Group, t: Trajectory, current_version: int | None) -> Any:
-        """The slime sample of one trajectory, shaped as slime's own ``generate`` leaves it."""
-        Sample = self.slime.Sample
-        s = Sample.from_dict(group.payload["prompt_sample"])
+    def prompt_sample(self, group: Group, t: Trajectory) -> Any:
+        """A fresh slime sample of ``t``'s prompt, as slime hands one to a generate function."""
+        s = self.slime.Sample.from_dict(copy.deepcopy(group.payload["prompt_sample"]))
         s.group_index = group.payload["group_index"]
         s.index = group.payload["indices"][t.index_in_group]
+        return s
+
+    @staticmethod
+    def sample_dict(s: Any) -> dict:
+        """A sample's fields, JSON-safe (what an episode's finished sample is kept as)."""
+        return _plain_sample_dict(s)
+
+    def sample(self, group: Group, t: Trajectory, current_version: int | None) -> Any:
+        """The slime sample of one trajectory, shaped as slime's own ``generate`` leaves it (an
+        episode's: as its generate function returned it, with the plugin's metadata added)."""
+        if t.episode_sample is not None:
+            return self._episode_sample(group, t, current_version)
+        Sample = self.slime.Sample
+        s = self.prompt_sample(group, t)
         s.tokens = list(t.prompt_ids) + list(t.response_ids)
         s.response_length = t.response_length
         # decoded once over the whole response: stage boundaries can split a multi-byte character
@@ -170,6 +184,19 @@ class SampleCodec:
         s.rollout_log_probs = [float(lp) for lp in t.logprobs]
         s.loss_mask = self._loss_mask(t, current_version)
         s.status = Sample.Status[_STATUS_TO_SLIME[t.status]]
+        return self._with_plugin_fields(s, group, t, current_version)
+
+    def _episode_sample(self, group: Group, t: Trajectory, current_version: int | None) -> Any:
+        s = self.slime.Sample.from_dict(copy.deepcopy(t.episode_sample))
+        s.group_index = group.payload["group_index"]
+        s.index = group.payload["indices"][t.index_in_group]
+        s.loss_mask = self._loss_mask(t, current_version)
+        return self._with_plugin_fields(s, group, t, current_version)
+
+    @staticmethod
+    def _with_plugin_fields(s: Any, group: Group, t: Trajectory, current_version: int | None) -> Any:
+        """What the plugin adds to every sample it returns: reward, per-call versions, and the
+        per-token versions the loss reads (``train_metadata``; also in ``metadata`` for logs)."""
         # slime keeps one engine-reported string per generate call, resumptions included.
         s.weight_versions = [str(v) for v in t.call_versions]
         s.reward = t.reward
@@ -182,9 +209,10 @@ class SampleCodec:
 
     def _loss_mask(self, t: Trajectory, current_version: int | None) -> list[int]:
         # slime's --mask-offpolicy-in-partial-rollout trains only on tokens of the current policy
+        mask = list(t.loss_mask) if t.loss_mask is not None else [1] * t.response_length
         if getattr(self.args, "mask_offpolicy_in_partial_rollout", False) and current_version is not None:
-            return [int(v == current_version) for v in t.token_versions()]
-        return [1] * t.response_length
+            return [m * int(v == current_version) for m, v in zip(mask, t.token_versions())]
+        return mask
 
     def samples(self, group: Group, current_version: int | None) -> list[Any]:
         return [self.sample(group, t, current_version) for t in group.trajectories]
@@ -265,4 +293,4 @@ def _plain_sample_dict(s: Any) -> dict:
     for key in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets", "rollout_routed_experts",
                 "multimodal_train_inputs"):
         d[key] = None
-    return _plain(d)
+    return plain(d)

@@ -112,6 +112,22 @@ class AprilConfig:
                           "position and partial buffer); default: <args.save>/rollout (loaded from "
                           "<args.load>/rollout), next to slime's own data-source state."},
     )
+    # ---------------------------------------------------------------- agent functions (multi-turn)
+    max_live_episodes: int | None = field(
+        default=None,
+        metadata={"help": "copris with a custom generate function: episodes alive at once (in a model "
+                          "call or in a tool); N' counts model calls in flight. Default: 2 * N'."},
+    )
+    max_episode_failures: int = field(
+        default=2,
+        metadata={"help": "Times one episode is re-run alone from its prompt after its function raised "
+                          "or its tool phase timed out; one more failure drops its group (counted)."},
+    )
+    episode_tool_timeout_s: float | None = field(
+        default=None,
+        metadata={"help": "Longest tool phase of an episode (no model call pending, not returned), in "
+                          "seconds; past it the episode is ended and re-run as a failure. Unset: none."},
+    )
     # ---------------------------------------------------------------- loss side
     is_mode: str = field(
         # decoupled learned fastest at the staleness partial rollouts produce (docs/loss.md,
@@ -229,6 +245,13 @@ class AprilConfig:
         if self.over_sampling_factor > MAX_OVER_SAMPLING_FACTOR:
             _fail("over_sampling_factor", f"must be at most {MAX_OVER_SAMPLING_FACTOR:.0f}, "
                                           f"got {self.over_sampling_factor}")
+        if self.max_live_episodes is not None and self.max_live_episodes < 1:
+            _fail("max_live_episodes", f"must be >= 1 or unset, got {self.max_live_episodes}")
+        if self.max_episode_failures < 0:
+            _fail("max_episode_failures", f"must be >= 0, got {self.max_episode_failures}")
+        if self.episode_tool_timeout_s is not None and not (
+                math.isfinite(self.episode_tool_timeout_s) and self.episode_tool_timeout_s > 0):
+            _fail("episode_tool_timeout_s", f"must be a finite number > 0 or unset, got {self.episode_tool_timeout_s}")
         if self.buffer_dir is not None and not self.buffer_dir.strip():
             _fail("buffer_dir", "must not be empty (leave it unset for <save>/rollout)")
         if not (0.0 <= self.is_low < self.is_high) or not math.isfinite(self.is_high):

@@ -31,7 +31,15 @@ from collections import deque
 from typing import Awaitable, Callable, Protocol
 
 from april_slime.core.buffer import PartialBuffer
-from april_slime.core.ledger import DROP_FILTERED, DROP_REJECTED, DROP_STALE, DROP_SURPLUS, GroupLedger, Place
+from april_slime.core.ledger import (
+    DROP_EPISODE_FAILED,
+    DROP_FILTERED,
+    DROP_REJECTED,
+    DROP_STALE,
+    DROP_SURPLUS,
+    GroupLedger,
+    Place,
+)
 from april_slime.core.step_metrics import StepCounters, group_tokens
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.core.work import TrajectoryWork
@@ -41,7 +49,8 @@ logger = logging.getLogger(__name__)
 # the counters (groups, tokens) of StepCounters that each counted reason of a drop adds to
 _DROP_COUNTERS = {DROP_FILTERED: ("filtered_groups", "filtered_tokens"),
                   DROP_SURPLUS: ("surplus_discarded_groups", "surplus_discarded_tokens"),
-                  DROP_REJECTED: ("rejected_groups", "rejected_tokens")}
+                  DROP_REJECTED: ("rejected_groups", "rejected_tokens"),
+                  DROP_EPISODE_FAILED: ("episode_failed_groups", "episode_failed_tokens")}
 
 
 class PromptSource(Protocol):
@@ -85,14 +94,15 @@ class StepGroups:
     def take_buffer(self) -> None:
         buffer = self.buffer
         before_counters = buffer.counters()
-        before = {g.uid for g in buffer.groups()}
+        before = {g.uid: g for g in buffer.groups()}
         taken = buffer.take(len(buffer), self.current_version)
         for group in taken:
             self.ledger.move(group, to=Place.RESUME)
         self.stale_delta = {k: buffer.counters()[k] - before_counters[k] for k in before_counters}
         still_there = {g.uid for g in buffer.groups()}
-        for uid in before - still_there - {g.uid for g in taken}:
+        for uid in before.keys() - still_there - {g.uid for g in taken}:
             self.ledger.note_dropped(uid, DROP_STALE)
+            self.work.discard(before[uid])
 
     def open(self, k: int) -> int:
         """Open up to ``k`` groups, buffered ones first; returns how many were opened. New prompts
@@ -137,8 +147,11 @@ class StepGroups:
     def _open(self, group: Group, resumed: bool) -> None:
         if resumed:
             self.counters.resumed_groups += 1
-        self.queue.extend(t for t in group.trajectories if self.work.open(t))
-        if group.complete:
+        self.queue.extend(self.work.open_group(group))
+        if self.work.gave_up(group):
+            self.ledger.move(group, to=Place.ACTIVE)
+            self.drop(group, DROP_EPISODE_FAILED)
+        elif group.complete:
             self.complete(group)
         else:
             self.ledger.move(group, to=Place.ACTIVE)
@@ -204,9 +217,24 @@ class StepGroups:
                 t.reward = None
             self.ledger.move(group, to=Place.UNJUDGED)
 
+    def episode_done(self, member: Trajectory) -> None:
+        """An episode of ``member``'s group finished, or was given up."""
+        if self.ledger.place_of(member.group_uid) is not Place.ACTIVE:
+            return  # not opened in this step: the step that opens it sees the member as it is
+        group = self.ledger.get(member.group_uid, Place.ACTIVE)
+        if self.work.gave_up(group):
+            self.drop(group, DROP_EPISODE_FAILED)
+        elif group.complete:
+            self.complete(group)
+
     def drop(self, group: Group, reason: str) -> None:
         """Discard ``group``, counted by its reason (its generated tokens count as discarded)."""
         self.ledger.move(group, to=Place.DROPPED, reason=reason)
+        self.work.discard(group)
+        if self.queue:  # in place: the step shares this queue
+            kept = [q for q in self.queue if q.group_uid != group.uid]
+            self.queue.clear()
+            self.queue.extend(kept)
         groups, tokens = _DROP_COUNTERS[reason]
         setattr(self.counters, groups, getattr(self.counters, groups) + 1)
         setattr(self.counters, tokens, getattr(self.counters, tokens) + group_tokens(group))

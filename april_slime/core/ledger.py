@@ -39,6 +39,7 @@ DROP_FILTERED = "filtered"
 DROP_SURPLUS = "surplus_discarded"
 DROP_STALE = "stale"
 DROP_REJECTED = "rejected_by_engine"
+DROP_EPISODE_FAILED = "episode_failed"  # an episode failed past its re-runs (core.episodes)
 
 
 class Place(enum.Enum):

@@ -65,6 +65,14 @@ class StepView(Protocol):
     def calls_queued(self) -> int:
         """Calls ready to be submitted (work items waiting for a call)."""
 
+    @property
+    def episodes_live(self) -> int:
+        """Episodes of agent functions alive (0 for a job without one)."""
+
+    @property
+    def groups_to_resume(self) -> int:
+        """Buffered groups taken by the step and not opened yet."""
+
 
 class ConcurrencyController(Protocol):
     def initial(self) -> int: ...
@@ -119,19 +127,28 @@ class CoprisPolicy(Policy):
     name = "copris"
 
     def __init__(self, concurrency: int, n_samples_per_prompt: int,
-                 controller: ConcurrencyController | None = None):
+                 controller: ConcurrencyController | None = None, max_live_episodes: int | None = None):
         if concurrency < n_samples_per_prompt:
             logger.warning("copris concurrency %d < n_samples_per_prompt %d: a group can never be "
                            "in flight as a whole", concurrency, n_samples_per_prompt)
         self.concurrency = concurrency
         self.n_samples_per_prompt = n_samples_per_prompt
         self.controller = controller
+        self.max_live_episodes = max_live_episodes
 
     def groups_to_open(self, step: StepView) -> int:
         free = self.concurrency - step.calls_in_flight - step.calls_queued
         if free <= 0 or step.accepted_groups >= step.target:
             return 0
-        return math.ceil(free / self.n_samples_per_prompt)
+        groups = math.ceil(free / self.n_samples_per_prompt)
+        if step.episodes_live:
+            # An episode in a tool holds no call: without a cap every tool phase would open another
+            # group. N' still bounds the calls; this bounds the episodes alive. Buffered groups are
+            # alive already (their episodes wait), so only fresh ones count against the cap.
+            cap = self.max_live_episodes or 2 * self.concurrency
+            fresh = max(0, math.ceil((cap - step.episodes_live) / self.n_samples_per_prompt))
+            groups = min(groups, step.groups_to_resume + fresh)
+        return groups
 
     @property
     def in_flight_limit(self) -> int:
@@ -155,4 +172,4 @@ def make_policy(config: AprilConfig, *, n_samples_per_prompt: int, over_sampling
         return SyncPolicy()
     if config.policy == "april":
         return AprilPolicy(over_sampling_groups)
-    return CoprisPolicy(concurrency, n_samples_per_prompt, controller)
+    return CoprisPolicy(concurrency, n_samples_per_prompt, controller, config.max_live_episodes)

@@ -74,6 +74,8 @@ from april_slime.core.buffer import PartialBuffer
 from april_slime.core.calls import Call, EngineCalls
 from april_slime.core.config import AprilConfig
 from april_slime.core.engine import EngineClient
+from april_slime.core.episodes import EpisodeRunner, EpisodeWork
+from april_slime.core.faults import CallFaults, RolloutStepError
 from april_slime.core.groups import PromptSource, StepGroups
 from april_slime.core.health import EngineHealth, EngineWatch
 from april_slime.core.ledger import DROP_FILTERED, DROP_REJECTED, DROP_STALE, DROP_SURPLUS, Place
@@ -88,11 +90,6 @@ __all__ = ["DROP_FILTERED", "DROP_REJECTED", "DROP_STALE", "DROP_SURPLUS", "Conc
            "StepResult", "TimelinePoint"]
 
 logger = logging.getLogger(__name__)
-
-
-class RolloutStepError(RuntimeError):
-    """A rollout step could not finish. Every group of the step was put back into the buffer
-    (except those discarded with a counted reason, listed in ``RolloutScheduler.last_dropped``)."""
 
 
 class PromptsExhausted(RolloutStepError):
@@ -130,7 +127,8 @@ class RolloutScheduler:
                  drain_timeout_s: float = 30.0,
                  stall_probe_after_s: float | None = 60.0,
                  probe_timeout_s: float = 30.0,
-                 probe_interval_s: float = 5.0):
+                 probe_interval_s: float = 5.0,
+                 episodes: EpisodeRunner | None = None):
         config.validate()
         if rollout_batch_size < 1 or n_samples_per_prompt < 1:
             raise ValueError(f"rollout_batch_size ({rollout_batch_size}) and n_samples_per_prompt "
@@ -188,6 +186,7 @@ class RolloutScheduler:
                                   controller=controller)
         self.last_timeline: list[TimelinePoint] = []  # of the latest step, for metrics and tests
         self.last_dropped: dict[str, str] = {}  # groups the latest step discarded, success or not
+        self.episodes = episodes  # the job's live episodes, when its samples come from an agent function
         self._running = False
 
     async def run_step(self, prompt_source: PromptSource, current_version: int) -> StepResult:
@@ -214,9 +213,9 @@ class _Step:
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.counters = StepCounters()
-        self.work = TrajectoryWork(sched.stop_token_ids, self.counters)
+        self.work = (TrajectoryWork(sched.stop_token_ids, self.counters) if sched.episodes is None
+                     else EpisodeWork(sched.stop_token_ids, self.counters, sched.episodes))
         self.queue: deque[Trajectory] = deque()
-        self.failures: dict[str, int] = {}  # trajectory uid -> failed calls in this step
         self.groups = StepGroups(
             buffer=sched.buffer, prompt_source=prompt_source, current_version=current_version, target=self.target,
             n_samples_per_prompt=sched.n_samples_per_prompt, reward_fn=sched.reward_fn,
@@ -229,6 +228,10 @@ class _Step:
                                    probe_timeout_s=sched.probe_timeout_s, probe_interval_s=sched.probe_interval_s)
         self.calls = EngineCalls(sched.client, self.engines, self.loop, self.events, self.counters,
                                  sampling_params=sched.sampling_params, abort_timeout_s=sched.abort_timeout_s)
+        self.faults = CallFaults(health=sched.health, engines=self.engines, calls=self.calls, work=self.work,
+                                 queue=self.queue, groups=self.groups, counters=self.counters,
+                                 max_failures=sched.max_failures_per_trajectory,
+                                 max_rejected_calls=sched.max_rejected_calls, draining=lambda: self.draining)
         # phase: "fill" until the target is met, then "drain"; "recover" after an error
         self.phase = "fill"
         self.timeline: list[TimelinePoint] = []
@@ -257,9 +260,19 @@ class _Step:
     def calls_queued(self) -> int:
         return len(self.queue)
 
+    @property
+    def episodes_live(self) -> int:
+        return self.work.live_episodes
+
+    @property
+    def groups_to_resume(self) -> int:
+        return self.ledger.count(Place.RESUME)
+
     # ================================================================== driver
     async def run(self) -> StepResult:
         self.t0 = self.loop.time()
+        if self.s.episodes is not None:
+            self.s.episodes.attach(self.events)
         try:
             self.groups.take_buffer()
             self.engines.probe_excluded()
@@ -280,8 +293,12 @@ class _Step:
         finally:
             self.engines.stop()  # probes and the load poller, then the aborts still pending
             self.calls.stop()
+            if self.s.episodes is not None:
+                self.s.episodes.detach()
         self.groups.return_leftovers()
         self.ledger.check_settled()
+        for group in self.ledger.groups(Place.ACCEPTED):
+            self.work.settle(group)
         return StepResult(groups=self.ledger.groups(Place.ACCEPTED), metrics=self._metrics(),
                           dropped=dict(self.ledger.dropped))
 
@@ -311,9 +328,14 @@ class _Step:
                                        f"{type(error).__name__}: {error}") from error
         elif kind == "probe":
             if self.engines.on_probe(*event[1:]):
-                self._evacuate(event[1])
+                self.faults.evacuate(event[1])
         elif kind == "concurrency":
             self.policy.set_limit(event[1])
+        elif kind == "episode_call":
+            if not self.draining and self.ledger.place_of(event[1].group_uid) is Place.ACTIVE:
+                self.queue.append(event[1])  # otherwise it waits on its episode for the group to open
+        elif kind == "episode_done":
+            self.groups.episode_done(event[1])
         else:  # pragma: no cover - events are produced only by the step and what it holds
             raise AssertionError(f"unknown event {kind!r}")
 
@@ -321,7 +343,8 @@ class _Step:
     async def _fill_phase(self) -> None:
         self._fill()
         while self.accepted_groups < self.target:
-            if not self.calls and not self.ledger.count(Place.REWARDING):
+            if not self.calls and not self.ledger.count(Place.REWARDING) and not self.work.busy(
+                    self.ledger.groups(Place.ACTIVE)):
                 raise PromptsExhausted(
                     f"the prompt source is exhausted: {self.accepted_groups} of {self.target} "
                     f"groups complete and nothing left to generate")
@@ -345,11 +368,6 @@ class _Step:
         input_ids, max_new_tokens = self.work.begin_call(t)
         self.calls.start(t, input_ids, max_new_tokens)
 
-    def _forget_call(self, call: Call) -> None:
-        """Take a call out of flight; its trajectory keeps exactly what it had before the call."""
-        if self.calls.forget(call):
-            self.work.unanswered(call.item)
-
     # ================================================================== phase 2: replies
     def _on_reply(self, call: Call, result: GenerateResult | None, error: Exception | None) -> None:
         if not self.calls.settle(call):
@@ -371,60 +389,11 @@ class _Step:
             return
         self.work.unanswered(t)
         if isinstance(error, RequestRejected):
-            self._on_rejected(call, error)
+            self.faults.rejected(call, error)
         elif isinstance(error, EngineError):
-            self._on_call_failed(call, error)
+            self.faults.call_failed(call, error)
         else:
             raise error
-
-    def _on_call_failed(self, call: Call, error: EngineError) -> None:
-        self.counters.engine_errors += 1
-        self.s.health.exclude(call.engine_url, f"generate {call.rid} failed: {error}")
-        self.engines.start_probe(call.engine_url)
-        self._count_failure(call.item, f"generate {call.rid} on {call.engine_url} failed: {error}")
-
-    def _count_failure(self, t: Trajectory, what: str) -> None:
-        """One failed call of ``t``; past the limit the step ends (during a drain the trajectory
-        just stays with its group)."""
-        self.failures[t.uid] = self.failures.get(t.uid, 0) + 1
-        logger.warning("%s (%d/%d)", what, self.failures[t.uid], self.s.max_failures_per_trajectory + 1)
-        if self.draining:
-            return
-        if self.failures[t.uid] > self.s.max_failures_per_trajectory:
-            raise RolloutStepError(f"trajectory {t.uid} failed {self.failures[t.uid]} engine calls in "
-                                   f"one step (last: {what}); all groups of the step are back in "
-                                   "the buffer")
-        self.queue.appendleft(t)
-
-    def _on_rejected(self, call: Call, error: RequestRejected) -> None:
-        t = call.item
-        t.rejected_calls += 1
-        self.counters.rejected_calls += 1
-        logger.warning("generate %s refused as invalid (%d/%d): %s", call.rid, t.rejected_calls,
-                       self.s.max_rejected_calls, error)
-        if t.rejected_calls >= self.s.max_rejected_calls:
-            group = self.ledger.get(t.group_uid, Place.ACTIVE)
-            self.groups.drop(group, DROP_REJECTED)
-            for other in list(self.calls.in_flight.values()):
-                if other.item.group_uid == group.uid:
-                    self._forget_call(other)
-                    self.calls.abort_later(other.engine_url, other.rid)
-            if self.queue:  # in place: the step's groups share this queue
-                kept = [q for q in self.queue if q.group_uid != group.uid]
-                self.queue.clear()
-                self.queue.extend(kept)
-        elif not self.draining:
-            self.queue.appendleft(t)
-
-    def _evacuate(self, url: str) -> None:
-        """Move every call of a stalled engine elsewhere; the engine is asked to abort them."""
-        calls = [c for c in self.calls.in_flight.values() if c.engine_url == url]
-        if calls:
-            self.calls.abort_later(url, None)
-        for call in calls:
-            self._forget_call(call)
-        for call in calls:
-            self._count_failure(call.item, f"generate {call.rid} cancelled: engine {url} stalled")
 
     # ================================================================== phase 3: drain
     async def _drain_phase(self) -> None:
@@ -458,7 +427,7 @@ class _Step:
 
     def _cut_at_deadline(self) -> None:
         for call in list(self.calls.in_flight.values()):
-            self._forget_call(call)
+            self.faults.forget_call(call)
             self.counters.drain_cancelled_calls += 1
             self.s.health.exclude(call.engine_url, f"no reply to the abort of {call.rid} within the "
                                                    f"drain deadline ({self.s.drain_timeout_s:g} s)")
@@ -481,7 +450,7 @@ class _Step:
         self.phase = "recover"
         busy = self.engines.busy()
         for call in list(self.calls.in_flight.values()):
-            self._forget_call(call)
+            self.faults.forget_call(call)
         for url in busy:
             self.calls.abort_detached(url)  # the engines would otherwise keep generating
         self.groups.cancel_rewards()
@@ -497,4 +466,8 @@ class _Step:
                             stale_delta=self.groups.stale_delta, engines_excluded=len(self.s.health.excluded),
                             carried_groups=self.groups.carried_groups, buffer=self.s.buffer,
                             concurrency_limit=self.policy.in_flight_limit, timeline=self.timeline,
-                            returned=self.ledger.groups(Place.ACCEPTED), current_version=self.current_version)
+                            returned=self.ledger.groups(Place.ACCEPTED), current_version=self.current_version,
+                            episodes=self._episode_metrics())
+
+    def _episode_metrics(self) -> dict[str, float] | None:
+        return None if self.s.episodes is None else self.s.episodes.metrics_since_last()

@@ -55,6 +55,8 @@ class StepCounters:
     rejected_calls: int = 0
     rejected_groups: int = 0
     rejected_tokens: int = 0
+    episode_failed_groups: int = 0
+    episode_failed_tokens: int = 0
     drain_cancelled_calls: int = 0
     stalled_engines: int = 0
     probe_failures: int = 0
@@ -86,7 +88,10 @@ def group_tokens(group: Group) -> int:
 def step_metrics(*, clock: Callable[[], float], t0: float, t_target: float | None, counters: StepCounters,
                  stale_delta: dict[str, int], engines_excluded: int, carried_groups: int,
                  buffer: PartialBuffer, concurrency_limit: int | None, timeline: list[TimelinePoint],
-                 returned: list[Group], current_version: int) -> dict[str, float]:
+                 returned: list[Group], current_version: int,
+                 episodes: dict[str, float] | None = None) -> dict[str, float]:
+    """The step's metrics, named with the metric prefix; ``episodes``: what the job's episodes did
+    during the step (``core.episodes.EpisodeCounters`` differences), for agent-function jobs."""
     c = counters
     step_time = clock() - t0
     m: dict[str, float] = {
@@ -111,7 +116,7 @@ def step_metrics(*, clock: Callable[[], float], t0: float, t_target: float | Non
         "stale_dropped_groups": stale_delta["dropped_groups"],
         "recomputed_tokens": stale_delta["restarted_tokens"],
         "discarded_tokens": c.filtered_tokens + c.surplus_discarded_tokens + c.rejected_tokens
-        + stale_delta["dropped_tokens"],
+        + c.episode_failed_tokens + stale_delta["dropped_tokens"],
         "rejected_calls": c.rejected_calls,
         "rejected_groups": c.rejected_groups,
         "drain_cancelled_calls": c.drain_cancelled_calls,
@@ -124,6 +129,9 @@ def step_metrics(*, clock: Callable[[], float], t0: float, t_target: float | Non
         "buffer_partial_trajectories": buffer.num_partial_trajectories(),
         "concurrency_limit": 0 if concurrency_limit is None else concurrency_limit,
     }
+    if episodes is not None:
+        m.update({f"episodes/{k}": v for k, v in episodes.items()})
+        m["episodes/failed_groups"] = c.episode_failed_groups
     m.update(_in_flight_stats(timeline, clock() - t0))
     trajectories = [t for g in returned for t in g.trajectories]
     tokens = sum(t.response_length for t in trajectories)

@@ -56,6 +56,14 @@ class Trajectory:
     # calls an engine refused as invalid (HTTP 4xx) over the trajectory's whole life, saved with
     # the buffer, so a sample no engine accepts is dropped instead of failing every step
     rejected_calls: int = 0
+    # an episode's sample (core.episodes): the response's loss mask (None: every token trains), and
+    # the finished sample as its codec keeps it (JSON-safe)
+    loss_mask: list[int] | None = None
+    episode_sample: dict | None = None
+    # a model call of an episode: its own sampling parameters (None: the step's)
+    sampling_params: dict | None = None
+    # an unfinished episode: the oldest policy version of the tokens its calls hold (not saved)
+    episode_oldest_version: int | None = field(default=None, compare=False, repr=False)
 
     @property
     def response_length(self) -> int:
@@ -100,6 +108,19 @@ class Trajectory:
             else:
                 self.version_runs.append([int(run_version), int(count)])
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` response tokens (with their log-probs and versions)."""
+        if not 0 <= length <= len(self.response_ids):
+            raise ValueError(f"{self.uid}: cannot cut a response of {len(self.response_ids)} tokens to {length}")
+        self.response_ids, self.logprobs = self.response_ids[:length], self.logprobs[:length]
+        runs, left = [], length
+        for version, count in self.version_runs:
+            if left <= 0:
+                break
+            runs.append([version, min(count, left)])
+            left -= count
+        self.version_runs = runs
+
     def token_versions(self) -> list[int]:
         out: list[int] = []
         for version, count in self.version_runs:
@@ -107,7 +128,10 @@ class Trajectory:
         return out
 
     def oldest_version(self) -> int | None:
-        return min((v for v, _ in self.version_runs), default=None)
+        own = min((v for v, _ in self.version_runs), default=None)
+        if self.episode_oldest_version is None:
+            return own
+        return self.episode_oldest_version if own is None else min(own, self.episode_oldest_version)
 
     def staleness(self, current_version: int) -> int:
         """Policy lag of the oldest generated token (0 for a sample with no tokens yet)."""
@@ -122,6 +146,7 @@ class Trajectory:
         self.response_ids, self.logprobs, self.version_runs, self.call_versions = [], [], [], []
         self.status, self.finish_reason = TrajectoryStatus.PENDING, None
         self.reward = None
+        self.loss_mask, self.episode_sample, self.episode_oldest_version = None, None, None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -141,6 +166,9 @@ class Trajectory:
             "call_versions": list(self.call_versions),
             "reward": self.reward,
             "rejected_calls": self.rejected_calls,
+            "loss_mask": None if self.loss_mask is None else list(self.loss_mask),
+            "episode_sample": self.episode_sample,
+            "sampling_params": self.sampling_params,
         }
 
     @classmethod

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from april_slime.core.sglang_protocol import EngineError, EngineReplyError, GenerateResult
 from april_slime.core.step_metrics import StepCounters
-from april_slime.core.types import Trajectory, TrajectoryStatus
+from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 
 
 class TrajectoryWork:
@@ -62,6 +62,26 @@ class TrajectoryWork:
             self.counters.truncated_without_call += 1
             return False
         return True
+
+    # the step's side of a work kind beyond one item (episodes.EpisodeWork has more to do)
+    def open_group(self, group: Group) -> list[Trajectory]:
+        """The items of a just opened group that need a call now."""
+        return [t for t in group.trajectories if self.open(t)]
+
+    def gave_up(self, group: Group) -> bool:
+        return False
+
+    def busy(self, groups: list[Group]) -> bool:
+        """Whether any of ``groups`` will make progress without a call of the step."""
+        return False
+
+    live_episodes = 0
+
+    def discard(self, group: Group) -> None:
+        """The step discards ``group`` (dropped)."""
+
+    def settle(self, group: Group) -> None:
+        """``group`` leaves the job (returned for training)."""
 
     def begin_call(self, t: Trajectory) -> tuple[list[int], int]:
         if t.response_ids:

@@ -58,8 +58,11 @@ class ToyTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [4 + (ord(c) % 250) for c in text]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False, **kwargs) -> str:
         return " ".join(str(i) for i in ids)
+
+    def __call__(self, text: str, **kwargs) -> dict:
+        return {"input_ids": self.encode(text)}
 
 
 # ---------------------------------------------------------------------------- slime.utils.types

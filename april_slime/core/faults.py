@@ -1,0 +1,105 @@
+"""What a failed, refused or stranded model call does to its work item and its group.
+
+* A call that failed (``EngineError``: the client already retried what was safe to retry) leaves
+  its item exactly as it was and puts it at the front of the queue; its engine is taken out of
+  dispatch until a health probe answers. An item may fail ``max_failures`` calls within one step;
+  one more ends the step (``RolloutStepError``), whose groups all go back to the buffer.
+* A call the engine refuses as invalid (HTTP 4xx, or ids refused by the client before sending) is
+  no engine failure: it counts in the item's ``rejected_calls`` (saved with the buffer), and an item
+  refused ``max_rejected_calls`` times is dropped with its group, counted.
+* The calls of a stalled engine are cancelled and their items resubmitted elsewhere, each counted as
+  a failure, so a wedged engine cannot loop forever.
+During a drain nothing is resubmitted and no failure ends the step: the item stays with its group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Callable
+
+from april_slime.core.calls import Call, EngineCalls
+from april_slime.core.groups import StepGroups
+from april_slime.core.health import EngineHealth, EngineWatch
+from april_slime.core.ledger import DROP_REJECTED, Place
+from april_slime.core.sglang_protocol import EngineError, RequestRejected
+from april_slime.core.step_metrics import StepCounters
+from april_slime.core.types import Trajectory
+from april_slime.core.work import TrajectoryWork
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutStepError(RuntimeError):
+    """A rollout step could not finish. Every group of the step was put back into the buffer
+    (except those discarded with a counted reason, listed in ``RolloutScheduler.last_dropped``)."""
+
+
+class CallFaults:
+    """One step's failed calls, per item (``failures``), and what each fault does."""
+
+    def __init__(self, *, health: EngineHealth, engines: EngineWatch, calls: EngineCalls, work: TrajectoryWork,
+                 queue: deque[Trajectory], groups: StepGroups, counters: StepCounters, max_failures: int,
+                 max_rejected_calls: int, draining: Callable[[], bool]):
+        self.health = health
+        self.engines = engines
+        self.calls = calls
+        self.work = work
+        self.queue = queue
+        self.groups = groups
+        self.ledger = groups.ledger
+        self.counters = counters
+        self.max_failures = max_failures
+        self.max_rejected_calls = max_rejected_calls
+        self.draining = draining
+        self.failures: dict[str, int] = {}  # item uid -> failed calls in this step
+
+    def forget_call(self, call: Call) -> None:
+        """Take a call out of flight; its trajectory keeps exactly what it had before the call."""
+        if self.calls.forget(call):
+            self.work.unanswered(call.item)
+
+    def call_failed(self, call: Call, error: EngineError) -> None:
+        self.counters.engine_errors += 1
+        self.health.exclude(call.engine_url, f"generate {call.rid} failed: {error}")
+        self.engines.start_probe(call.engine_url)
+        self.count_failure(call.item, f"generate {call.rid} on {call.engine_url} failed: {error}")
+
+    def count_failure(self, t: Trajectory, what: str) -> None:
+        """One failed call of ``t``; past the limit the step ends (during a drain the trajectory
+        just stays with its group)."""
+        self.failures[t.uid] = self.failures.get(t.uid, 0) + 1
+        logger.warning("%s (%d/%d)", what, self.failures[t.uid], self.max_failures + 1)
+        if self.draining():
+            return
+        if self.failures[t.uid] > self.max_failures:
+            raise RolloutStepError(f"trajectory {t.uid} failed {self.failures[t.uid]} engine calls in "
+                                   f"one step (last: {what}); all groups of the step are back in "
+                                   "the buffer")
+        self.queue.appendleft(t)
+
+    def rejected(self, call: Call, error: RequestRejected) -> None:
+        t = call.item
+        t.rejected_calls += 1
+        self.counters.rejected_calls += 1
+        logger.warning("generate %s refused as invalid (%d/%d): %s", call.rid, t.rejected_calls,
+                       self.max_rejected_calls, error)
+        if t.rejected_calls >= self.max_rejected_calls:
+            group = self.ledger.get(t.group_uid, Place.ACTIVE)
+            self.groups.drop(group, DROP_REJECTED)
+            for other in list(self.calls.in_flight.values()):
+                if other.item.group_uid == group.uid:
+                    self.forget_call(other)
+                    self.calls.abort_later(other.engine_url, other.rid)
+        elif not self.draining():
+            self.queue.appendleft(t)
+
+    def evacuate(self, url: str) -> None:
+        """Move every call of a stalled engine elsewhere; the engine is asked to abort them."""
+        calls = [c for c in self.calls.in_flight.values() if c.engine_url == url]
+        if calls:
+            self.calls.abort_later(url, None)
+        for call in calls:
+            self.forget_call(call)
+        for call in calls:
+            self.count_failure(call.item, f"generate {call.rid} cancelled: engine {url} stalled")

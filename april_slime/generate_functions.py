@@ -1,0 +1,227 @@
+"""slime's custom generate functions under partial rollout: multi-turn, tool-using and agent jobs.
+
+A job with ``--custom-generate-function-path`` (or a prompt with ``Sample.generate_function_path``)
+gets one episode per sample (``april_slime.core.episodes``). Its function runs unchanged:
+``await generate(args, sample, sampling_params[, evaluation=False])`` on the job's persistent event
+loop, with
+
+* ``args``: slime's arguments, except that ``sglang_router_ip`` / ``sglang_router_port`` name the
+  plugin's front (``core.front``, on 127.0.0.1) and ``partial_rollout`` is False: the plugin aborts
+  and resumes the function's model calls under it, so the function never sees an abort it caused;
+* ``sampling_params``: slime's rollout parameters (as its ``GenerateState`` builds them, with
+  ``max_new_tokens = rollout_max_response_len``), the sample's ``sampling_seed``, and the episode's
+  marker in ``custom_params``, which the front reads to know whose call a request is. A function
+  must pass these parameters on to ``/generate`` (changed as it likes: stop strings, budgets).
+
+``GenerateFunctions`` is the ``EpisodeAgent`` the core runs: it starts a function (``launch``),
+builds the one SGLang reply of each finished model call, whatever its segments (``reply``: the
+text decoded over every token, stop strings honoured across segment boundaries, log-probs and
+per-token weight versions of every segment), and turns the returned ``Sample`` into the member's
+record (``finish``). The function does not copy versions into its sample: each model token of the
+response is matched, in order, against the tokens the plugin served the episode; a response whose
+trainable tokens are not exactly those fails loudly (the episode is re-run, then given up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import math
+from typing import Any
+
+from april_slime.core.config import AprilConfigError
+from april_slime.core.episodes import Episode, EpisodeError, ModelCall
+from april_slime.core.types import Group, Trajectory, TrajectoryStatus
+from april_slime.samples import SampleCodec, Slime, plain
+
+EPISODE_MARKER = "april_episode"  # key in sampling_params["custom_params"]
+LOGPROB_MATCH_TOLERANCE = 1e-6
+
+
+def load_generate_function(slime: Slime, path: str, key: str) -> Any:
+    """The function at ``path``, checked to have slime's contract; else ``AprilConfigError`` naming
+    ``key`` in one line (a job with a path that cannot serve stops at start)."""
+    try:
+        fn = slime.load_function(path)
+    except Exception as e:
+        reason = f"{type(e).__name__}: {e}".replace("\n", " ")
+        raise AprilConfigError(f"{key}: cannot load {path!r}: {reason}") from e
+    if not inspect.iscoroutinefunction(fn):
+        raise AprilConfigError(f"{key}: {path!r} is not an async function "
+                               "(async def generate(args, sample, sampling_params))")
+    if len(inspect.signature(fn).parameters) < 3:
+        raise AprilConfigError(f"{key}: {path!r} must take (args, sample, sampling_params)")
+    return fn
+
+
+class GenerateFunctions:
+    """Runs a job's custom generate functions as episodes (``core.episodes.EpisodeAgent``)."""
+
+    def __init__(self, slime: Slime, args: Any, codec: SampleCodec, sampling_params: dict) -> None:
+        self.slime = slime
+        self.args = args
+        self.codec = codec
+        self.default_path = getattr(args, "custom_generate_function_path", None)
+        self.sampling_params = {**sampling_params, "max_new_tokens": args.rollout_max_response_len}
+        self.function_args: Any = None  # set by point_at(front)
+        self._functions: dict[str, Any] = {}
+
+    def _function(self, path: str, key: str) -> Any:
+        if path not in self._functions:
+            self._functions[path] = load_generate_function(self.slime, path, key)
+        return self._functions[path]
+
+    def point_at(self, host: str, port: int) -> None:
+        """Functions get slime's arguments with the router address replaced by the front's."""
+        view = copy.copy(self.args) if not isinstance(self.args, argparse.Namespace) else argparse.Namespace(
+            **vars(self.args))
+        view.sglang_router_ip, view.sglang_router_port = host, port
+        view.partial_rollout = False
+        self.function_args = view
+
+    # ------------------------------------------------------------------ tokens
+    def tokenize(self, text: str) -> list[int]:
+        """As SGLang tokenizes a text prompt (its tokenizer's defaults, special tokens included)."""
+        return list(self.codec.tokenizer(text)["input_ids"])
+
+    def _decode(self, ids: list[int], params: dict) -> str:
+        return self.codec.tokenizer.decode(
+            ids, skip_special_tokens=bool(params.get("skip_special_tokens", True)),
+            spaces_between_special_tokens=bool(params.get("spaces_between_special_tokens", True)))
+
+    # ------------------------------------------------------------------ EpisodeAgent
+    def launch(self, member: Trajectory, group: Group):
+        sample = self.codec.prompt_sample(group, member)
+        path = getattr(sample, "generate_function_path", None) or self.default_path
+        if not path:
+            raise EpisodeError(f"sample {member.uid}: no generate function (custom_generate_function_path)")
+        fn = self._function(path, f"sample {member.uid}: generate_function_path")
+        params = copy.deepcopy(self.sampling_params)
+        params["sampling_seed"] = member.sampling_seed
+        params["custom_params"] = {**(params.get("custom_params") or {}), EPISODE_MARKER: member.uid}
+        if "evaluation" in inspect.signature(fn).parameters:
+            return fn(self.function_args, sample, params, evaluation=False)
+        return fn(self.function_args, sample, params)
+
+    def reply(self, call: ModelCall) -> dict:
+        t = call.trajectory
+        params = call.request.sampling_params
+        ids, finish, matched = list(t.response_ids), t.finish_reason, None
+        if call.request.stop and t.num_calls > 1:
+            cut = self._first_stop(ids, call.request.stop, params)
+            if cut is not None:
+                cut_at, matched = cut
+                if cut_at < len(ids):
+                    t.truncate(cut_at)
+                    ids = list(t.response_ids)
+                finish = "stop"
+                t.finish_reason, t.status = "stop", TrajectoryStatus.COMPLETED
+        finish_reason: dict[str, Any] = {"type": finish}
+        if matched is not None:
+            finish_reason["matched"] = matched
+        elif finish == "length":
+            finish_reason["length"] = len(ids)
+        spans, start = [], 0
+        for version, count in t.version_runs:
+            spans.append({"version": str(version), "start": start, "end": start + count})
+            start += count
+        latest = t.version_runs[-1][0] if t.version_runs else (t.call_versions[-1] if t.call_versions else 0)
+        return {
+            "text": self._decode(ids, params),
+            "output_ids": ids,
+            "meta_info": {
+                "id": t.uid,
+                "finish_reason": finish_reason,
+                "prompt_tokens": len(t.prompt_ids),
+                "completion_tokens": len(ids),
+                "cached_tokens": 0,
+                "output_token_logprobs": [[float(lp), int(i), None] for lp, i in zip(t.logprobs, ids)],
+                "weight_version": str(latest),
+                "weight_versions": spans,
+            },
+        }
+
+    def _first_stop(self, ids: list[int], stops: tuple[str, ...], params: dict) -> tuple[int, str] | None:
+        """The shortest prefix of ``ids`` whose text holds a stop string (SGLang stops there when the
+        call runs in one piece; a segment boundary can hide it from the engine)."""
+        text = self._decode(ids, params)
+        found = [(text.find(s), s) for s in stops if s and s in text]
+        if not found:
+            return None
+        stop = min(found)[1]
+        lo, hi = 1, len(ids)
+        while lo < hi:  # prefix texts grow with the prefix, so "holds the stop" is monotone
+            mid = (lo + hi) // 2
+            if stop in self._decode(ids[:mid], params):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo, stop
+
+    def finish(self, member: Trajectory, episode: Episode, result: Any) -> None:
+        Sample = self.slime.Sample
+        if isinstance(result, list):
+            raise EpisodeError("the generate function returned a list of samples; april_slime trains one "
+                               "sample per episode")
+        if not isinstance(result, Sample):
+            raise EpisodeError(f"the generate function returned {type(result).__name__}, not a Sample")
+        status = result.status.name
+        if status not in ("COMPLETED", "TRUNCATED"):
+            raise EpisodeError(f"the generate function returned a sample with status {status}")
+        length = int(result.response_length or 0)
+        response = list(result.tokens[len(result.tokens) - length:]) if length else []
+        mask = list(result.loss_mask) if result.loss_mask is not None else [1] * length
+        logprobs = list(result.rollout_log_probs) if result.rollout_log_probs is not None else None
+        if len(mask) != length or logprobs is None or len(logprobs) != length:
+            raise EpisodeError(f"sample {member.uid}: response of {length} tokens with a loss mask of "
+                               f"{len(mask)} and {0 if logprobs is None else len(logprobs)} log-probs")
+        versions = _match_served(member.uid, response, mask, logprobs, episode.served)
+        member.response_ids, member.logprobs = response, [float(x) for x in logprobs]
+        member.loss_mask = mask
+        member.version_runs = _runs(versions)
+        member.max_new_tokens = max(member.max_new_tokens, length)
+        member.call_versions = [v for c in episode.served for v in c.trajectory.call_versions]
+        member.num_calls = sum(c.trajectory.num_calls for c in episode.served)
+        member.num_aborts = sum(c.trajectory.num_aborts for c in episode.served)
+        member.status = TrajectoryStatus[status]
+        member.finish_reason = "length" if status == "TRUNCATED" else "stop"
+        member.reward = result.reward
+        member.episode_sample = plain(self.codec.sample_dict(result))
+
+
+def _match_served(uid: str, response: list[int], mask: list[int], logprobs: list[float],
+                  served: list[ModelCall]) -> list[int]:
+    """The policy version of every response token: trainable tokens, in order, must be exactly the
+    tokens the plugin served the episode (their log-probs too); others take the version before them."""
+    served_ids = [i for c in served for i in c.trajectory.response_ids]
+    served_lps = [lp for c in served for lp in c.trajectory.logprobs]
+    served_versions = [v for c in served for v in c.trajectory.token_versions()]
+    trainable = [k for k, m in enumerate(mask) if m]
+    if [response[k] for k in trainable] != served_ids:
+        at = next((n for n, (k, s) in enumerate(zip(trainable, served_ids)) if response[k] != s),
+                  min(len(trainable), len(served_ids)))
+        raise EpisodeError(f"sample {uid}: its trainable tokens ({len(trainable)}) are not the {len(served_ids)} "
+                           f"tokens its model calls returned (first difference at trainable token {at}); a "
+                           "generate function must keep each call's output_ids as they are")
+    for n, k in enumerate(trainable):
+        if not math.isclose(logprobs[k], served_lps[n], abs_tol=LOGPROB_MATCH_TOLERANCE):
+            raise EpisodeError(f"sample {uid}: rollout log-prob {logprobs[k]} of response token {k} is not "
+                               f"the {served_lps[n]} its model call returned")
+    versions, last = [], served_versions[0] if served_versions else 0
+    by_token = iter(served_versions)
+    for m in mask:
+        if m:
+            last = next(by_token)
+        versions.append(last)
+    return versions
+
+
+def _runs(versions: list[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return runs

@@ -1,0 +1,91 @@
+"""Custom generate functions with slime's contract, for the episode tests: each is what a user's
+multi-turn function does (model call, tool, model call), loaded by slime from this module's path.
+
+They talk to ``http://{args.sglang_router_ip}:{args.sglang_router_port}/generate`` with plain aiohttp
+(not slime's ``post``), send ``input_ids`` and build the sample's lists themselves, as slime's
+retool example does. ``CONTROL`` lets a test make a function fail or hang on purpose, per sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import aiohttp
+
+from tests.support.slime_standin import ToyTokenizer
+
+TURNS = 3
+PER_TURN = 12
+TOOL_TOKENS = [7, 8, 9]
+TOKENIZER = ToyTokenizer()
+
+# test knobs: sample index -> how many more runs raise / hang in a tool / alter a token
+CONTROL: dict[str, Counter] = {"raise": Counter(), "hang": Counter(), "corrupt": Counter()}
+CALLS: Counter = Counter()  # model calls made, per sample index
+TOOL_RUNS: list[int] = []  # sample index of every tool run
+
+
+async def _call(session: aiohttp.ClientSession, url: str, ids: list[int], params: dict) -> dict:
+    async with session.post(url, json={"input_ids": ids, "sampling_params": params, "return_logprob": True}) as r:
+        body = await r.json()
+        assert r.status == 200, body
+        return body
+
+
+async def multi_turn(args, sample, sampling_params):
+    """TURNS model calls of at most PER_TURN tokens, with a tool between two calls."""
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    assert not args.partial_rollout, "the plugin resumes calls under the function"
+    index = sample.index
+    if CONTROL["raise"][index] > 0:
+        CONTROL["raise"][index] -= 1
+        raise RuntimeError(f"sandbox of sample {index} lost")
+    corrupt = CONTROL["corrupt"][index] > 0  # this run alters a token of its first call
+    if corrupt:
+        CONTROL["corrupt"][index] -= 1
+    prompt = TOKENIZER.encode(sample.prompt)
+    response, mask, logprobs = [], [], []
+    async with aiohttp.ClientSession() as session:
+        for turn in range(TURNS):
+            out = await _call(session, url, prompt + response, {**sampling_params, "max_new_tokens": PER_TURN})
+            CALLS[index] += 1
+            finish = out["meta_info"]["finish_reason"]["type"]
+            assert finish in ("stop", "length"), f"the function saw finish_reason {finish}"
+            ids = [int(t[1]) for t in out["meta_info"]["output_token_logprobs"]]
+            assert ids == out["output_ids"]
+            if corrupt and turn == 0:
+                ids = ids[:-1] + [(ids[-1] + 1) % 200 + 10] if ids else [11]
+            response += ids
+            mask += [1] * len(ids)
+            logprobs += [float(t[0]) for t in out["meta_info"]["output_token_logprobs"]][:len(ids)]
+            if turn == TURNS - 1:
+                break
+            TOOL_RUNS.append(index)
+            if CONTROL["hang"][index] > 0:
+                CONTROL["hang"][index] -= 1
+                await asyncio.Event().wait()  # a tool that never returns
+            await asyncio.sleep(0)  # the tool
+            response += TOOL_TOKENS
+            mask += [0] * len(TOOL_TOKENS)
+            logprobs += [0.0] * len(TOOL_TOKENS)
+    sample.tokens = prompt + response
+    sample.response_length = len(response)
+    sample.response = TOKENIZER.decode(response)
+    sample.loss_mask = mask
+    sample.rollout_log_probs = logprobs
+    sample.status = type(sample).Status.COMPLETED
+    return sample
+
+
+async def with_evaluation(args, sample, sampling_params, evaluation=False):
+    """The same, for slime's signature with ``evaluation``."""
+    assert evaluation is False
+    return await multi_turn(args, sample, sampling_params)
+
+
+def reset() -> None:
+    for counter in CONTROL.values():
+        counter.clear()
+    CALLS.clear()
+    TOOL_RUNS.clear()
