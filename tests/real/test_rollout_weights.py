@@ -27,6 +27,7 @@ from tests.support.real_tier import (
     plugin_args,
     post_ok,
     prompt_token_bound,
+    token_logprobs,
     version_spans,
     wait_for_progress,
 )
@@ -42,17 +43,6 @@ def hf_models(real_stack):
     torch.set_num_threads(1)
     load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
     return {"A": load(real_stack.model_path), "B": load(real_stack.other_model_path)}
-
-
-def token_logprobs(model, tokens: list[int], response_length: int, temperature: float = 1.0) -> list[float]:
-    """log p(token_t | tokens_<t) for the response tokens, from logits / temperature."""
-    import torch
-
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([tokens[:-1]])).logits[0].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    start = len(tokens) - response_length
-    return [float(logp[t - 1, tokens[t]]) for t in range(start, len(tokens))]
 
 
 def per_token_versions(sample) -> list[int]:

@@ -89,3 +89,42 @@ def reset() -> None:
         counter.clear()
     CALLS.clear()
     TOOL_RUNS.clear()
+
+
+# ------------------------------------------------------------------ the real tier's function
+OBSERVATION = "\n<obs>tool says ok</obs>\n"
+REAL_PER_TURN = 64
+
+
+async def text_then_ids(args, sample, sampling_params):
+    """A search-r1-like function for real engines, through slime's own ``post`` (httpx): the first
+    call sends the prompt as ``text``, later ones ``input_ids`` with the observation between them."""
+    from slime.utils.http_utils import post
+    from slime.utils.processing_utils import load_tokenizer
+
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    tokenizer = load_tokenizer(args.hf_checkpoint, trust_remote_code=True)
+    prompt = tokenizer(sample.prompt)["input_ids"]  # what SGLang makes of the text prompt
+    observation = tokenizer(OBSERVATION, add_special_tokens=False)["input_ids"]
+    response, mask, logprobs = [], [], []
+    for turn in range(TURNS):
+        params = {**sampling_params, "max_new_tokens": REAL_PER_TURN}
+        body = ({"text": sample.prompt} if turn == 0 else {"input_ids": prompt + response})
+        out = await post(url, {**body, "sampling_params": params, "return_logprob": True})
+        assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length"), out["meta_info"]
+        ids = [int(t[1]) for t in out["meta_info"]["output_token_logprobs"]]
+        response += ids
+        mask += [1] * len(ids)
+        logprobs += [float(t[0]) for t in out["meta_info"]["output_token_logprobs"]]
+        if turn < TURNS - 1:
+            response += observation
+            mask += [0] * len(observation)
+            logprobs += [0.0] * len(observation)
+    sample.tokens = prompt + response
+    sample.response_length = len(response)
+    sample.response = tokenizer.decode(response)
+    sample.loss_mask = mask
+    sample.rollout_log_probs = logprobs
+    sample.status = type(sample).Status.COMPLETED
+    return sample
+

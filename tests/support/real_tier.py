@@ -336,3 +336,14 @@ def check_slime_contract(samples, train, *, tokenizer, batch: int, n: int, max_l
     assert train["rollout_log_probs"] == [s.rollout_log_probs for s in samples]
     assert train["loss_masks"] == [[1] * s.response_length for s in samples]
     assert train["metadata"] == [s.train_metadata for s in samples]
+
+
+def token_logprobs(model, tokens: list[int], response_length: int, temperature: float = 1.0) -> list[float]:
+    """log p(token_t | tokens_<t) for the response tokens, from logits / temperature."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens[:-1]])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    start = len(tokens) - response_length
+    return [float(logp[t - 1, tokens[t]]) for t in range(start, len(tokens))]
