@@ -1,0 +1,100 @@
+"""The reply a generate function gets for one model call, and how its sample is matched to the calls
+it was served (``april_slime.generate_functions``), on a character tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from april_slime.core.episodes import CallRequest, Episode, EpisodeError, ModelCall
+from april_slime.core.types import Trajectory, TrajectoryStatus
+from april_slime.generate_functions import GenerateFunctions, _match_served
+
+
+class CharTokenizer:
+    """One token per character: id = code point."""
+
+    def __call__(self, text, **kwargs):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, **kwargs):
+        return "".join(chr(i) for i in ids)
+
+
+def functions() -> GenerateFunctions:
+    g = GenerateFunctions.__new__(GenerateFunctions)
+    g.codec = SimpleNamespace(tokenizer=CharTokenizer())
+    return g
+
+
+def call_of(segments: list[tuple[str, int]], finish: str, stop=("</search>",)) -> ModelCall:
+    """A call whose response came in ``segments`` (text, policy version), one engine call each."""
+    t = Trajectory(uid="0/0@0.0", group_uid="0", index_in_group=0, prompt_ids=[ord("Q")], max_new_tokens=100,
+                   sampling_seed=1)
+    for text, version in segments:
+        t.append([ord(c) for c in text], [-0.5] * len(text), version)
+        t.num_calls += 1
+    t.finish_reason = finish
+    t.status = TrajectoryStatus.TRUNCATED if finish == "length" else TrajectoryStatus.COMPLETED
+    request = CallRequest(input_ids=[ord("Q")], max_new_tokens=100, sampling_params={"stop": list(stop)},
+                          stop=tuple(stop))
+    loop = asyncio.new_event_loop()
+    try:
+        return ModelCall(Episode(t), request, t, loop.create_future())
+    finally:
+        loop.close()
+
+
+def test_a_stop_string_split_by_the_resume_ends_the_reply_where_one_call_would_have_stopped():
+    # the abort fell inside "</search>": the engine could not see it, and ran on after it
+    call = call_of([("ab </sea", 3), ("rch> tail", 4)], finish="length")
+    reply = functions().reply(call)
+    assert reply["text"] == "ab </search>"
+    assert reply["output_ids"] == [ord(c) for c in "ab </search>"]
+    assert reply["meta_info"]["finish_reason"] == {"type": "stop", "matched": "</search>"}
+    assert [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]] == [-0.5] * 12
+    assert reply["meta_info"]["weight_versions"] == [{"version": "3", "start": 0, "end": 8},
+                                                     {"version": "4", "start": 8, "end": 12}]
+    assert reply["meta_info"]["completion_tokens"] == 12 and reply["meta_info"]["weight_version"] == "4"
+
+
+def test_a_call_in_one_piece_is_left_as_the_engine_ended_it():
+    call = call_of([("ab </search> more", 3)], finish="stop")
+    reply = functions().reply(call)  # SGLang applied the stop itself; nothing to cut
+    assert reply["text"] == "ab </search> more" and reply["meta_info"]["finish_reason"] == {"type": "stop"}
+
+
+def test_a_resumed_call_without_a_stop_string_keeps_every_segment():
+    call = call_of([("ab", 3), ("cd", 4)], finish="length")
+    reply = functions().reply(call)
+    assert reply["text"] == "abcd"
+    assert reply["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+
+
+def served(*outputs: list[int]) -> list[ModelCall]:
+    calls = []
+    for k, ids in enumerate(outputs):
+        t = Trajectory(uid=f"c{k}", group_uid="0", index_in_group=0, prompt_ids=[1], max_new_tokens=50,
+                       sampling_seed=1)
+        t.append(ids, [-0.1 * (k + 1)] * len(ids), 10 + k)
+        calls.append(SimpleNamespace(trajectory=t))
+    return calls
+
+
+def test_the_returned_tokens_get_the_versions_of_the_calls_that_made_them():
+    response = [5, 6, 90, 91, 7]  # call 0, a tool's two tokens, call 1
+    mask = [1, 1, 0, 0, 1]
+    versions = _match_served("s", response, mask, [-0.1, -0.1, 0.0, 0.0, -0.2], served([5, 6], [7]))
+    assert versions == [10, 10, 10, 10, 11]
+
+
+@pytest.mark.parametrize("response, mask, logprobs, what", [
+    ([5, 9, 7], [1, 1, 1], [-0.1, -0.1, -0.2], "first difference at trainable token 1"),
+    ([5, 6], [1, 1], [-0.1, -0.1], "are not the 3 tokens"),
+    ([5, 6, 7], [1, 1, 1], [-0.1, -0.3, -0.2], "rollout log-prob"),
+])
+def test_a_sample_that_does_not_match_its_calls_fails_loudly(response, mask, logprobs, what):
+    with pytest.raises(EpisodeError, match=what):
+        _match_served("s", response, mask, logprobs, served([5, 6], [7]))
