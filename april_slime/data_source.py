@@ -66,6 +66,9 @@ class AprilDataSource:
         # version saved by the checkpoint this job was restored from; consumed by the first step
         self.restored_policy_version: int | None = None
         self._checkpoints = checkpoint.Checkpoints(self._prompts, self.buffer, args, self.config.buffer_dir)
+        # members of unfinished episodes that load() restored (see _restart_unfinished_episodes); the
+        # job's episode runner shares this set, so it is only ever changed in place
+        self.restored_episodes: set[str] = set()
 
     # ------------------------------------------------------------ PromptSource
     def next_groups(self, n: int, current_version: int) -> list[Group]:
@@ -119,3 +122,19 @@ class AprilDataSource:
         restored = self._checkpoints.load(rollout_id)
         if restored is not None:
             self.policy_version = self.restored_policy_version = restored.policy_version
+            self._restart_unfinished_episodes()
+
+    def _restart_unfinished_episodes(self) -> None:
+        """In a job with a generate function every member is an episode's record. A checkpoint keeps
+        the finished ones (their data is complete); an unfinished one lost its live state (coroutine,
+        pending call) with the job that saved it, so it starts again from its prompt. It is reset here,
+        before any step sees it (a checkpoint of the same job run without its generate function holds
+        partial responses), and named to the episode runner, which counts it as ``restarted`` when a
+        step first opens it."""
+        self.restored_episodes.clear()
+        if not getattr(self.args, "custom_generate_function_path", None):
+            return
+        for group in self.buffer.groups():
+            for member in group.unfinished():
+                member.reset()
+                self.restored_episodes.add(member.uid)

@@ -146,7 +146,8 @@ class _Runtime:
             return
         config = self.config
         self.episodes = EpisodeRunner(self.functions, max_failures=config.max_episode_failures,
-                                      tool_timeout_s=config.episode_tool_timeout_s)
+                                      tool_timeout_s=config.episode_tool_timeout_s,
+                                      restored=self.data_source.restored_episodes)
         self.front = EpisodeFront(self.episodes, tokenize=self.functions.tokenize,
                                   vocab_size=_vocab_size(self.codec),
                                   default_max_new_tokens=self.args.rollout_max_response_len)
@@ -198,15 +199,22 @@ class _Runtime:
         """The engines' current weight version, in the job's continuous numbering. Asks only the
         engines the scheduler dispatches to, and needs one answer: an engine that stopped
         answering must not hold up the step (the scheduler's health probes bring it back)."""
-        urls = self.scheduler.health.usable()
-        replies = await asyncio.gather(*(self.client.client.weight_version(u) for u in urls),
-                                       return_exceptions=True)
-        raw = [r for r in replies if not isinstance(r, BaseException)]
-        for url, r in zip(urls, replies):
-            if isinstance(r, BaseException):
-                if not isinstance(r, Exception):
-                    raise r
-                logger.warning("engine %s did not report its weight version: %s", url, r)
+        usable = self.scheduler.health.usable()
+        # the engines out of dispatch are asked only when none in dispatch answers: one of them may
+        # be back, and the step's own probes readmit it (else one dead engine would end the job)
+        others = [u for u in self.client.engine_urls if u not in usable]
+        raw, replies = [], []
+        for urls in (usable, others):
+            replies = await asyncio.gather(*(self.client.client.weight_version(u) for u in urls),
+                                           return_exceptions=True)
+            raw = [r for r in replies if not isinstance(r, BaseException)]
+            for url, r in zip(urls, replies):
+                if isinstance(r, BaseException):
+                    if not isinstance(r, Exception):
+                        raise r
+                    logger.warning("engine %s did not report its weight version: %s", url, r)
+            if raw:
+                break
         if not raw:
             raise next(r for r in replies if isinstance(r, BaseException))
         if len(set(raw)) > 1:
@@ -279,6 +287,9 @@ class _Runtime:
         metrics.update({f"rollout/dynamic_filter/drop_{r}": c for r, c in self.filter_drops.items()})
         metrics[METRIC_PREFIX + "policy_version"] = version
         metrics[METRIC_PREFIX + "version_offset"] = self.version_offset
+        # what save(rollout_id) writes, also after rollout_id + 1 ran; taken here, on the loop, because
+        # episodes go on between steps on this loop (a function returning fills its member)
+        self.data_source.snapshot(rollout_id)
         return groups, metrics
 
     async def close(self) -> None:
@@ -390,8 +401,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
         slime_rollout = importlib.import_module("slime.rollout.sglang_rollout")
         return slime_rollout.generate_rollout(args, rollout_id, data_source, evaluation=True)
     runtime = _runtime(args, data_source)
-    samples, metrics = _run_on_loop(runtime.train_step(rollout_id))
-    data_source.snapshot(rollout_id)  # what save(rollout_id) writes, also after rollout_id + 1 ran
+    samples, metrics = _run_on_loop(runtime.train_step(rollout_id))  # snapshots the data source
     output_cls = runtime.slime.RolloutFnTrainOutput
     # slime builds older than RolloutFnTrainOutput take the bare sample groups
     return output_cls(samples=samples, metrics=metrics) if output_cls is not None else samples

@@ -22,6 +22,18 @@ is checked against the emulator's reference stream (so no malformed reply ever r
 Part 2 (real HTTP, real processes): two emulator engine processes; one is SIGKILLed during a
 step and restarted on the same port, the ledger checked after every step.
 
+Part 3 (episodes, real time): a slime job whose samples come from a multi-turn generate function
+(``tests.support.agent_functions.multi_turn``: its calls go through the episode front over HTTP,
+so it cannot run on part 1's virtual clock) runs ``EPISODE_STEPS`` steps of ``generate_rollout``
+(``APRIL_SOAK_EPISODE_STEPS``, default 16)
+with engine faults armed per step from the classes a real-time step gets over quickly (no hang or
+wedge: those wait out deadlines of tens of seconds), function faults armed on the next prompts
+(a function raises, hangs in its tool past ``april_episode_tool_timeout_s``, or alters a token
+of its calls: re-run, or given up with its group), and one checkpoint, death and restore in the
+middle. The same ledger is checked after every step, every model token of every trained or
+buffered finished episode is checked against the emulator's reference stream, and the restore
+restarts exactly its unfinished episodes (``restarted``).
+
 The figures of a run (steps, faults injected per class, step times) are printed with ``-s``;
 ``APRIL_SOAK_STEPS`` changes the number of steps (CI default: 1000).
 """
@@ -50,13 +62,20 @@ from april_slime.core.buffer import PartialBuffer
 from april_slime.core.config import AprilConfig
 from april_slime.core.engine import EngineClient
 from april_slime.core.jsonfile import StateFileError
+from april_slime.core.keys import TOKEN_VERSIONS_KEY
+from april_slime.core.ledger import DROP_EPISODE_FAILED
 from april_slime.core.scheduler import RolloutScheduler, RolloutStepError
+from april_slime.core.sglang_protocol import EngineError
 from april_slime.core.transport import HttpTransport, TransportHTTPError
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
+from april_slime.samples import sampling_seed
 from april_slime.workbench.emulator.model import LengthModel, SyntheticLM
 from april_slime.workbench.emulator.testing import start_cluster
 from april_slime.workbench.emulator.vclock import run_virtual
+from tests.support import agent_functions as af
 from tests.support import slime_standin
+from tests.support.agent_functions import check_sample, expand
+from tests.support.slime_jobs import Cluster, loop_run, make_args, point_at
 
 SOAK_STEPS = int(os.environ.get("APRIL_SOAK_STEPS", "1000"))
 SEED = 20261123
@@ -680,3 +699,156 @@ def check_against(model, g: Group) -> None:
         assert tr.status is not TrajectoryStatus.RUNNING
         ids, lps = model.reference(tr.prompt_ids, tr.sampling_seed, len(tr.prompt_ids), tr.token_versions())
         assert tr.response_ids == ids and tr.logprobs == lps, tr.uid
+
+
+# ====================================================================== part 3: episodes
+EPISODE_STEPS = int(os.environ.get("APRIL_SOAK_EPISODE_STEPS", "16"))
+EPISODE_ENGINE_FAULTS = ("http_5xx", "engine_kill", "malformed", "wrong", "abort_fail", "reject_4xx")
+FUNCTION_FAULTS = ("raise", "hang", "corrupt")  # agent_functions.CONTROL, armed once (re-run) or twice (given up)
+EPISODE_FUNCTION = "tests.support.agent_functions.multi_turn"
+
+
+class RealTimeFaults(FaultyTransport):
+    """Part 1's faults on a real-time cluster emulated 20x faster than real time: kills as long in
+    emulated time as part 1's, and refusals three times as often (a few hundred calls here, not tens
+    of thousands), so that every class is injected."""
+
+    def kill(self, url: str, for_s: float) -> None:
+        super().kill(url, for_s / 20)
+
+    def _fire(self, fault: str, p: float) -> bool:
+        return super()._fire(fault, 3 * p if fault == "reject_4xx" else p)
+
+    def down_for(self) -> float:
+        """Seconds until every killed engine is back (on the loop)."""
+        return max([0.0, *(until - self.now() for until in self.down_until.values())])
+
+
+@pytest.fixture
+def three_engines(slime_mode):
+    c = Cluster(num_engines=3)  # as many as part 1: one killed engine leaves two
+    c.bump(1)
+    yield c
+    rollout.shutdown()
+    c.stop()
+
+
+def check_episode_tokens(model, tokens, response_length, logprobs, mask, version_runs, seed, where) -> None:
+    """Every model token of an episode's response is the engine's at its position and version: each
+    run of trainable tokens (one model call, resumed or not) against the emulator's reference."""
+    start = len(tokens) - response_length
+    prompt, response, versions = tokens[:start], tokens[start:], expand(version_runs)
+    k = 0
+    while k < response_length:
+        end = k
+        while end < response_length and mask[end]:
+            end += 1
+        if end > k:
+            ids, lps = model.reference(prompt, seed, start + k, versions[k:end])
+            assert response[k:end] == ids and logprobs[k:end] == lps, f"{where}: tokens differ from the engine's"
+        k = end + 1
+
+
+async def _on_loop(fn):
+    return fn()
+
+
+def on_loop(fn):
+    """``fn()`` on the job's loop: episodes go on there between steps, filling their members."""
+    return loop_run(_on_loop(fn))
+
+
+def test_soak_episodes_under_engine_and_function_faults(three_engines, quiet, tmp_path, monkeypatch):
+    """Part 3 (module docstring): every step with every engine fault class of ``EPISODE_ENGINE_FAULTS``
+    armed and each function fault armed on one of the next prompts' samples."""
+    cluster = three_engines
+    rng = random.Random(SEED + 3)
+    emulator, model = cluster.emulator, cluster.emulator.model
+    running = SimpleNamespace(transport=emulator.transport(), cluster=emulator, engine_urls=emulator.engine_urls)
+    transport = RealTimeFaults(running, random.Random(SEED + 4), model.vocab_size)
+    transport.armed = set(EPISODE_ENGINE_FAULTS)
+    from_router = EngineClient.from_router.__func__
+
+    async def faulty_from_router(cls, router_url, **kw):
+        """The job's engine client, on the faulty transport, knowing the vocabulary as a real
+        checkpoint's config tells it (the toy tokenizer has no size): out-of-vocabulary replies fail."""
+        return await from_router(cls, router_url, transport=transport, **{**kw, "vocab_size": model.vocab_size})
+
+    monkeypatch.setattr(EngineClient, "from_router", classmethod(faulty_from_router))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i:03d}", "label": str(i)}) + "\n"
+                               for i in range(600)))
+    # one re-run per episode, a short tool deadline, short retry delays (all in real time)
+    settings = dict(custom_generate_function_path=EPISODE_FUNCTION, april_policy="copris", april_concurrency=12,
+                    april_max_episode_failures=1, april_episode_tool_timeout_s=0.5, april_retry_backoff_s=0.02)
+    args = point_at(make_args(tmp_path, prompts, **settings), cluster)
+    source = rollout.AprilDataSource(args)
+    ledger, figures, runners = Ledger(), Counter(), []
+    restored = None  # unfinished members the restore found
+
+    def check_buffer(where: str) -> None:
+        ledger.handed_out = {str(i) for i in range(source._prompts.sample_group_index)}
+        ledger.check(source.buffer, where)
+        for g in source.buffer.groups():
+            for t in g.finished():
+                sample = t.episode_sample
+                check_episode_tokens(model, sample["tokens"], sample["response_length"], t.logprobs, t.loss_mask,
+                                     t.version_runs, t.sampling_seed, f"{where}: buffered {t.uid}")
+
+    af.reset()
+    try:
+        for k in range(EPISODE_STEPS):
+            ahead = source._prompts.sample_index  # the first sample of the prompts this step may take
+            for fault in FUNCTION_FAULTS:
+                af.CONTROL[fault][ahead + rng.randrange(4 * args.rollout_batch_size)] += rng.choice((1, 2))
+            cluster.bump(k + 1)
+            try:
+                out = rollout.generate_rollout(args, k, source)
+            except (RolloutStepError, EngineError) as e:
+                # slime's job would stop here; the soak goes on, as the job restarted would, once
+                # the killed engines are back (a restart takes longer than a kill here)
+                figures[f"failed_steps_{type(e).__name__}"] += 1
+                out = None
+                time.sleep(on_loop(transport.down_for))
+            if rollout._RUNTIME.scheduler is not None:
+                ledger.dropped.update(rollout._RUNTIME.scheduler.last_dropped)
+            if out is not None:
+                figures["delivered_steps"] += 1
+                assert len(out.samples) == args.rollout_batch_size
+                for group in out.samples:
+                    assert len(group) == args.n_samples_per_prompt
+                    ledger.delivered.append(str(group[0].group_index))
+                    for i, s in enumerate(group):
+                        check_sample(s, version_floor=1)
+                        check_episode_tokens(model, s.tokens, s.response_length, s.rollout_log_probs, s.loss_mask,
+                                             s.train_metadata[TOKEN_VERSIONS_KEY],
+                                             sampling_seed(args.rollout_seed, str(s.group_index), i),
+                                             f"step {k}: trained {s.index}")
+            on_loop(lambda: check_buffer(f"episode step {k}"))
+            if restored is None and out is not None and k >= EPISODE_STEPS // 2:
+                source.save(k)  # train.py: generate k, train k, save k; then the job dies
+                runners.append(rollout._RUNTIME.episodes)
+                rollout.shutdown()
+                args = point_at(make_args(tmp_path, prompts, load=args.save, **settings), cluster)
+                source = rollout.AprilDataSource(args)
+                source.load(k)
+                restored = len(source.restored_episodes)
+                on_loop(lambda: check_buffer(f"restore of {k}"))
+        runners.append(rollout._RUNTIME.episodes)
+    finally:
+        af.reset()
+    episodes = Counter()
+    for runner in runners:
+        episodes.update(runner.counters.as_dict())
+    dropped = Counter(ledger.dropped.values())
+    print("\nepisode soak:", json.dumps({
+        **figures, "faults_injected": dict(sorted(transport.injected.items())), "episodes": dict(episodes),
+        "groups_handed_out": len(ledger.handed_out), "groups_delivered": len(ledger.delivered),
+        "groups_buffered": len(source.buffer), "groups_dropped": dict(dropped), "restored_unfinished": restored}))
+    assert figures["delivered_steps"] >= EPISODE_STEPS // 2
+    assert set(transport.injected) == set(EPISODE_ENGINE_FAULTS), "an engine fault class was never injected"
+    assert episodes["failures"] > 0 and episodes["timeouts"] > 0 and episodes["given_up"] > 0
+    assert 0 < dropped[DROP_EPISODE_FAILED] <= episodes["given_up"]
+    # the restore restarts exactly the unfinished episodes it found, each once (no staleness bound here)
+    last = runners[-1]
+    assert restored and last.counters.restarted == restored - len(last.restored)

@@ -29,8 +29,9 @@ Faults. A function that raises, or whose tool phase (no call pending, not return
 ``tool_timeout_s``, is re-run alone from its prompt: its calls are forgotten, the rest of its
 group keeps what it has. After ``max_failures`` re-runs the episode is given up: the member is
 marked ``failed`` and the step drops the group (counted). A suspended episode cannot be saved; the
-checkpoint keeps finished members and restarts the others from their prompts
-(``restarted_episodes``).
+checkpoint keeps finished members and restarts the others from their prompts: the data source
+resets them at load and names them to the runner (``restored``), which counts each once, as
+``restarted``, when a step first opens it.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ class EpisodeCounters:
 class EpisodeRunner:
     """Every live episode of the job, and the model calls they wait on."""
 
-    def __init__(self, agent: EpisodeAgent, *, max_failures: int = 2, tool_timeout_s: float | None = None):
+    def __init__(self, agent: EpisodeAgent, *, max_failures: int = 2, tool_timeout_s: float | None = None,
+                 restored: set[str] | None = None):
         self.agent = agent
         self.max_failures = max_failures
         self.tool_timeout_s = tool_timeout_s
@@ -143,6 +145,9 @@ class EpisodeRunner:
         self.events: asyncio.Queue | None = None  # the running step's
         self._reported = self.counters.as_dict()  # what the last step's metrics counted up to
         self.groups: dict[str, Group] = {}
+        # member uids of unfinished episodes a checkpoint restored without their live state (the data
+        # source's set, shared: it fills it at load); each leaves it when first opened, counted then
+        self.restored = restored if restored is not None else set()
 
     # ------------------------------------------------------------------ the step
     def attach(self, events: asyncio.Queue) -> None:
@@ -193,6 +198,10 @@ class EpisodeRunner:
             self._stop(self.episodes.pop(member.uid))
             episode = None
         if episode is None:
+            if member.uid in self.restored:
+                # its episode died with the job that saved it: this one starts again from the prompt
+                self.restored.discard(member.uid)
+                self.counters.restarted += 1
             episode = self.episodes[member.uid] = Episode(member, group_restarts=group.restarts)
             self._launch(episode)
         if episode.pending is not None and not episode.pending.trajectory.status.finished:

@@ -67,14 +67,16 @@ def loop_run(coro):
 class Cluster:
     """Emulated SGLang engines + router over loopback HTTP, started on slime's persistent loop."""
 
-    def __init__(self, num_engines: int = 2, seed: int = 7):
+    def __init__(self, num_engines: int = 2, seed: int = 7, length=None):
         from april_slime.workbench.emulator.cluster import EmulatorCluster
         from april_slime.workbench.emulator.config import EngineConfig
         from april_slime.workbench.emulator.model import LengthModel, SyntheticLM
 
-        # short, long-tailed responses (some run to the budget), emulated 20x faster than real time
-        model = SyntheticLM(seed=seed, length=LengthModel(median_tokens=24.0, prompt_sigma=0.6,
-                                                          truncation_fraction=0.1))
+        # short, long-tailed responses (some run to the budget), emulated 20x faster than real time;
+        # ``length`` (a ``LengthModel``) replaces that response-length model
+        if length is None:
+            length = LengthModel(median_tokens=24.0, prompt_sigma=0.6, truncation_fraction=0.1)
+        model = SyntheticLM(seed=seed, length=length)
         self.emulator = EmulatorCluster(num_engines, model=model, engine_config=EngineConfig(time_scale=20.0))
 
         async def start():
