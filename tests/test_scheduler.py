@@ -664,6 +664,28 @@ def test_trajectory_rejected_by_every_engine_is_dropped_and_counted():
     run_virtual(main())
 
 
+def test_a_step_whose_every_call_is_refused_stops_instead_of_dropping_the_dataset():
+    """Every request refused (a job whose requests no engine takes): past max(16, 4 * target)
+    groups dropped with none accepted, the step ends with the engine's message, and the groups it
+    still held go back to the buffer."""
+    client = FakeClient()
+    client.reject = lambda url, rid: True
+
+    async def main():
+        sched, _, buffer = make("copris", client=client, batch=2, n=2, concurrency=4)
+        prompts = Prompts(2)
+        with pytest.raises(RolloutStepError, match="refused by the engines and none accepted.*HTTP 400"):
+            await bounded(sched, prompts, 0)
+        dropped = {uid for uid, why in sched.last_dropped.items() if why == "rejected_by_engine"}
+        # one past the bound, and the few refused while the step drained its calls in flight
+        assert 16 < len(dropped) <= 16 + 1 + 4
+        buffered = {g.uid for g in buffer.groups()}
+        assert set(prompts.made) == dropped | buffered and not dropped & buffered  # nothing lost
+        check_settled(client, buffer)
+
+    run_virtual(main())
+
+
 def test_rejections_are_remembered_across_steps():
     """A partial rejected once, buffered, and rejected again in the next step is dropped then:
     the count lives with the trajectory (and is saved with the buffer)."""

@@ -6,7 +6,9 @@
   one more ends the step (``RolloutStepError``), whose groups all go back to the buffer.
 * A call the engine refuses as invalid (HTTP 4xx, or ids refused by the client before sending) is
   no engine failure: it counts in the item's ``rejected_calls`` (saved with the buffer), and an item
-  refused ``max_rejected_calls`` times is dropped with its group, counted.
+  refused ``max_rejected_calls`` times is dropped with its group, counted. A step that has dropped
+  more than ``max(16, 4 * target)`` groups so and accepted none stops with ``RolloutStepError``:
+  then every request is refused, and going on would drop the whole dataset.
 * The calls of a stalled engine are cancelled and their items resubmitted elsewhere, each counted as
   a failure, so a wedged engine cannot loop forever.
 During a drain nothing is resubmitted and no failure ends the step: the item stays with its group.
@@ -28,6 +30,10 @@ from april_slime.core.types import Trajectory
 from april_slime.core.work import TrajectoryWork
 
 logger = logging.getLogger(__name__)
+
+# groups a step may drop for refused calls before, with none accepted, it stops (the bound is
+# at least four times the target)
+REFUSED_GROUPS_FLOOR = 16
 
 
 class RolloutStepError(RuntimeError):
@@ -91,6 +97,12 @@ class CallFaults:
                 if other.item.group_uid == group.uid:
                     self.forget_call(other)
                     self.calls.abort_later(other.engine_url, other.rid)
+            bound = max(REFUSED_GROUPS_FLOOR, 4 * self.groups.target)
+            if not self.groups.accepted and self.counters.rejected_groups > bound and not self.draining():
+                # every request refused: the engines (or the job's requests) are wrong, not a sample;
+                # dropping prompt after prompt would run through the dataset without end
+                raise RolloutStepError(f"{self.counters.rejected_groups} groups refused by the engines and none "
+                                       f"accepted in this step; last refusal: {error}")
         elif not self.draining():
             self.queue.appendleft(t)
 
