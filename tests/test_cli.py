@@ -104,8 +104,9 @@ def test_emulator_still_serves_on_free_ports():
     finally:
         proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(timeout=120)  # a bound only: SIGINT ends it at once on an idle machine
+            # communicate, not wait: a child blocked writing to a full stderr pipe never exits
+            _, err = proc.communicate(timeout=120)  # a bound only: SIGINT ends it at once
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, proc.stderr.read()
+            _, err = proc.communicate()
+    assert proc.returncode == 0, err
