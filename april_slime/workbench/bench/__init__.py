@@ -19,6 +19,10 @@ Three pieces of modelling live here:
 * ``ideal_throughput``: the physical limit the utilisation is measured against: every engine always
   full at its KV limit with the workload's length distribution (continuous batching, no bubbles, no
   retractions, no re-prefill of resumed partials).
+
+A multi-turn workload (``turns_max`` > 0, ``april-slime bench multi-turn``) runs agent episodes
+through the core's ``EpisodeRunner`` with an in-process agent whose tools sleep on the virtual clock
+(``multiturn.py``), beside its single-turn twin of equal tokens (``multiturn_report.py``).
 """
 
 from .cli import apply_overrides, build_parser, main

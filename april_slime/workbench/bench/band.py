@@ -27,9 +27,10 @@ class Variant:
     seed: int = 0
     length: dict[str, float] = field(default_factory=dict)  # LengthModel field -> value
     spec: dict[str, float] = field(default_factory=dict)  # EngineSpec field -> value
+    workload: dict[str, float] = field(default_factory=dict)  # Workload field -> value
 
     def apply(self, workload: Workload, spec: EngineSpec) -> tuple[Workload, EngineSpec]:
-        w = replace(workload, seed=self.seed)
+        w = replace(workload, seed=self.seed, **self.workload)
         if self.length:
             w = replace(w, length=length_spec(replace(workload.length_model(), **self.length)))
         return w, replace(spec, **self.spec)
@@ -66,7 +67,7 @@ def headline_variants(workload: Workload, spec: EngineSpec | None = None) -> lis
     ]
 
 
-def _run_one(job: tuple[Workload, EngineSpec, Variant, str]) -> tuple[str, str, dict[str, Any]]:
+def run_variant(job: tuple[Workload, EngineSpec, Variant, str]) -> tuple[str, str, dict[str, Any]]:
     workload, spec, variant, policy = job
     w, s = variant.apply(replace(workload, policies=(policy,), sweep="none"), spec)
     result = run_benchmark(w, s)
@@ -82,8 +83,14 @@ def run_band(workload: Workload, spec: EngineSpec, variants: list[Variant], *,
         policies.insert(0, "sync")
     todo = [(workload, spec, v, p) for v in variants for p in policies]
     runs: dict[str, dict[str, dict[str, Any]]] = {}
-    for name, policy, summary in run_jobs(_run_one, todo, jobs):
+    for name, policy, summary in run_jobs(run_variant, todo, jobs):
         runs.setdefault(name, {})[policy] = summary
+    return summarize_band(runs, variants, policies)
+
+
+def summarize_band(runs: dict[str, dict[str, dict[str, Any]]], variants: list[Variant],
+                   policies: list[str]) -> dict[str, Any]:
+    """``run_band``'s answer from the summaries of its runs (variant name -> policy -> summary)."""
     nominal = variants[0].name
     out: dict[str, Any] = {}
     for policy in policies:

@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "reproduce` sets up the published figures. See docs/bench.md.")
     p.add_argument("workload", nargs="?", default="dapo16k", choices=sorted(WORKLOADS),
                    help="what to run (default: dapo16k, the headline: 30 steps x 4 policies, "
-                        "~10 minutes on 2 cores)")
+                        "~10 minutes on 2 cores; multi-turn: agent episodes with tools, run beside "
+                        "their single-turn twin of equal tokens)")
     p.add_argument("--mode", choices=MODES, default="virtual",
                    help="virtual: in-process, virtual clock (fast); http: real HTTP on loopback, "
                         "emulator clock at --time-scale (as slow as the emulated time / scale)")
@@ -234,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(spec.describe(), indent=2))
         return 0
 
+    if workload.turns_max and not workload.flat_episodes:
+        return _main_multi_turn(args, workload, spec, notes)
     if args.band:
         return _main_band(args, workload, spec)
     label = "SMOKE TEST (--quick): " if args.quick else ""
@@ -260,6 +263,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(result, args.plot)
     return 0
+
+
+def _main_multi_turn(args: argparse.Namespace, workload: Workload, spec: EngineSpec, notes: list[str]) -> int:
+    """A multi-turn workload runs beside its single-turn twin of equal tokens (once, or --band)."""
+    from .multiturn_report import main_pair
+
+    if args.band:
+        return main_pair(args, workload, spec, notes)
+    label = "SMOKE TEST (--quick): " if args.quick else ""
+    print(f"{label}april-slime bench {workload.name} ({args.mode}) on {spec.model}, {spec.num_engines} engines x "
+          f"{spec.gpus_per_engine} GPUs, with its single-turn twin", file=sys.stderr, flush=True)
+    bar = _Bar(2 * len(plan(workload)) * workload.steps)
+    try:
+        return main_pair(args, workload, spec, notes, progress=bar)
+    finally:
+        bar.close()
 
 
 def _main_band(args: argparse.Namespace, workload: Workload, spec: EngineSpec) -> int:

@@ -22,6 +22,7 @@ from april_slime.core.transport import HttpTransport
 from april_slime.core.types import Group
 from april_slime.workbench.emulator import EmulatorCluster, SyntheticLM, run_virtual
 
+from .multiturn import EpisodeDriver, episode_length_stats, episode_summary
 from .spec import EngineSpec
 from .workloads import MODES, LengthStats, SyntheticPrompts, Workload, ideal_throughput, length_stats
 
@@ -176,9 +177,11 @@ def _group_filter(workload: Workload):
 async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSpec, *,
                      mode: str = "virtual", time_scale: float = 1.0,
                      concurrency: int | None = None, over_sampling_factor: float | None = None,
-                     max_response_len: int | None = None, on_step=None) -> PolicyRun:
+                     max_response_len: int | None = None, on_step=None,
+                     driver: EpisodeDriver | None = None) -> PolicyRun:
     """Run one policy for ``workload.steps`` rollout + training steps on a fresh emulated cluster,
-    inside the running event loop (virtual: the caller runs this under ``run_virtual``)."""
+    inside the running event loop (virtual: the caller runs this under ``run_virtual``). A
+    multi-turn workload runs through an ``EpisodeDriver`` (made here unless given)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     scale = 1.0 if mode == "virtual" else float(time_scale)
@@ -190,6 +193,8 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
         spec.num_engines, model=SyntheticLM(seed=workload.seed, length=workload.length_model()),
         engine_config=spec.engine_config(time_scale=scale))
     await cluster.start()
+    if driver is None and workload.turns_max:
+        driver = EpisodeDriver(workload, cluster.model, budget, time_scale=scale)
     transport: Any = None
     client = None
     sampler = None
@@ -215,12 +220,13 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
         scheduler = RolloutScheduler(
             config, client, buffer, rollout_batch_size=workload.rollout_batch_size,
             n_samples_per_prompt=workload.n_samples_per_prompt,
-            sampling_params={"temperature": 1.0, "top_p": 1.0}, controller=controller,
-            group_filter=_group_filter(workload),
+            sampling_params=driver.sampling_params if driver else {"temperature": 1.0, "top_p": 1.0},
+            controller=controller, group_filter=_group_filter(workload),
+            episodes=driver.episodes if driver else None,
             load_poll_interval_s=workload.load_poll_interval_s / scale,
             abort_retry_interval_s=1.0 / scale)
-        prompts = SyntheticPrompts(workload.prompt_len, workload.n_samples_per_prompt, budget,
-                                   cluster.model.vocab_size, workload.seed)
+        prompts = driver.prompts if driver else SyntheticPrompts(
+            workload.prompt_len, workload.n_samples_per_prompt, budget, cluster.model.vocab_size, workload.seed)
         timeline: dict[str, list[float]] = {"t": [], "running": [], "waiting": [], "kv_used": []}
 
         async def sample_loads() -> None:
@@ -239,14 +245,21 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
         for index in range(workload.steps):
             counters.append(await _cluster_counters(transport, cluster.router_url))
             start = cluster.now()
-            before = {t.uid: t.response_length for g in buffer.groups() for t in g.trajectories}
+            if driver:
+                held_before = driver.snapshot(buffer.groups())
+            else:
+                before = {t.uid: t.response_length for g in buffer.groups() for t in g.trajectories}
             result = await scheduler.run_step(prompts, version)
             rollout_s = cluster.now() - start
-            tracked, context_sum = _decoded_positions(before, [*result.groups, *buffer.groups()])
+            if driver:
+                tracked, context_sum, held, age = driver.step_done(held_before, result.groups, buffer.groups(),
+                                                                   version + 1)
+            else:
+                tracked, context_sum = _decoded_positions(before, [*result.groups, *buffer.groups()])
+                held, age = _buffer_age(buffer.groups(), version + 1)
             trained = sum(len(t.prompt_ids) + t.response_length
                           for g in result.groups for t in g.trajectories)
             train_s = spec.train_time(trained)
-            held, age = _buffer_age(buffer.groups(), version + 1)
             records.append(StepRecord(index, version, start, rollout_s, train_s, result.metrics,
                                       tracked, context_sum, held, age))
             if index == workload.steps - 1:
@@ -278,6 +291,8 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
                 await sampler
             except (asyncio.CancelledError, Exception):
                 pass
+        if driver is not None:
+            await driver.close()  # its episodes' coroutines, before the engines they call go
         if client is not None:
             await client.close()
         if transport is not None:
@@ -358,7 +373,9 @@ def summarize(run: PolicyRun, ideal_tokens_per_s: float, spec: EngineSpec | None
     tracked = sum(s.tracked_tokens for s in steps)
     mean_context = sum(s.context_token_sum for s in steps) / tracked if tracked else 0.0
     mix_ideal = mix_ideal_throughput(spec, mean_context) if spec is not None else 0.0
+    episodes = episode_summary(m) if "april/episodes/calls" in m[0] else {}
     return {
+        **episodes,
         "warmup_steps": run.warmup_steps,
         "stationary": run.stationary,
         "throughput_tokens_per_s": throughput,
@@ -505,7 +522,7 @@ def run_benchmark(workload: Workload, spec: EngineSpec, *, mode: str = "virtual"
     wall0 = time.perf_counter()
     points = plan(workload)
     budgets = sorted({p.max_response_len or workload.max_response_len for p in points})
-    lengths = {b: length_stats(workload, b) for b in budgets}
+    lengths = {b: (episode_length_stats if workload.turns_max else length_stats)(workload, b) for b in budgets}
     ideal = {b: ideal_throughput(spec, replace(workload, max_response_len=b), lengths[b])
              for b in budgets}
     if mode == "virtual" and jobs > 1 and len(points) > 1:

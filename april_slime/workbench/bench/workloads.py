@@ -18,6 +18,7 @@ from .spec import EngineSpec
 # over-sample, abort at the target, discard the partials.
 POLICIES = ("sync", "april", "copris", "copris-adaptive", "sync-oversample")
 MODES = ("virtual", "http")
+MAX_TURNS = 64  # an episode's turn k draws its length with sampling seed sample_seed * MAX_TURNS + k
 
 
 # ============================================================================ workloads
@@ -51,6 +52,18 @@ class Workload:
     filter_keep_fraction: float = 1.0
     load_poll_interval_s: float = 2.0  # emulated seconds between /v1/loads reads (controller)
     timeline_interval_s: float = 1.0  # emulated seconds between load samples for the figure
+    # Multi-turn episodes (``multiturn.py``); turns_max 0: single turn, plain trajectories. An
+    # episode makes turns_min..turns_max model calls (uniform); each call's tokens follow ``length``
+    # under ``max_response_len`` (the per-turn budget); between two calls a tool of lognormal
+    # latency runs, and its result (``tool_tokens``, masked out of training) joins the context.
+    turns_min: int = 0
+    turns_max: int = 0
+    tool_median_s: float = 2.0  # emulated seconds
+    tool_sigma: float = 1.0  # lognormal sigma: p90 = median x 3.6, p99 = median x 10 at 1.0
+    tool_tokens: int = 128
+    # The equal-tokens twin of a multi-turn workload: each episode's model tokens as one response
+    # of one call, no tool (the same prompts, the same tokens per sample).
+    flat_episodes: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_response_len", "prompt_len", "rollout_batch_size", "n_samples_per_prompt",
@@ -70,6 +83,22 @@ class Workload:
             raise ValueError(f"workload filter_keep_fraction must be in (0, 1], got {self.filter_keep_fraction}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"workload concurrency must be >= 1, got {self.concurrency}")
+        self._check_turns()
+
+    def _check_turns(self) -> None:
+        if self.turns_max == 0:
+            if self.turns_min != 0 or self.flat_episodes:
+                raise ValueError("workload turns_min / flat_episodes need turns_max >= 1 (multi-turn)")
+            return
+        if not 1 <= self.turns_min <= self.turns_max <= MAX_TURNS:
+            raise ValueError(f"workload turns must satisfy 1 <= turns_min <= turns_max <= {MAX_TURNS}, "
+                             f"got {self.turns_min}..{self.turns_max}")
+        if not (self.tool_median_s > 0 and math.isfinite(self.tool_median_s)):
+            raise ValueError(f"workload tool_median_s must be a finite number > 0, got {self.tool_median_s}")
+        if not (self.tool_sigma >= 0 and math.isfinite(self.tool_sigma)):
+            raise ValueError(f"workload tool_sigma must be a finite number >= 0, got {self.tool_sigma}")
+        if self.tool_tokens < 0:
+            raise ValueError(f"workload tool_tokens must be >= 0, got {self.tool_tokens}")
 
     @property
     def samples_per_step(self) -> int:
@@ -100,6 +129,13 @@ WORKLOADS: dict[str, Workload] = {
     "oversampling-sweep": Workload(name="oversampling-sweep", steps=8, warmup_steps=2,
                                    policies=("april",),
                                    sweep="oversampling", sweep_values=(1.0, 1.5, 2.0, 3.0, 4.0)),
+    # Agentic multi-turn RL (``multiturn.py``), run beside its single-turn twin of equal tokens: 2-6
+    # turns per episode; per turn the DAPO-Math law (its shape, 6% of turns running to the budget)
+    # with the median scaled down to 1,000 tokens under a 4K per-turn budget; tools of lognormal
+    # latency (median 2 s, sigma 1) between turns, each adding 128 masked tokens to the context.
+    "multi-turn": Workload(name="multi-turn", length="dapo-math-qwen3-4b-16k:median_tokens=1000",
+                           max_response_len=4096, steps=30, policies=("sync", "april", "copris"),
+                           turns_min=2, turns_max=6, tool_median_s=2.0, tool_sigma=1.0, tool_tokens=128),
 }
 
 # --quick: a smoke test of the same shapes - fewer steps, prompts and sweep points; its numbers
@@ -113,6 +149,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "context-sweep": dict(steps=2, warmup_steps=1, rollout_batch_size=8, sweep_values=(8192, 40960)),
     "concurrency-sweep": dict(steps=3, warmup_steps=1, rollout_batch_size=8, sweep_values=(64, 128, 256)),
     "oversampling-sweep": dict(steps=3, warmup_steps=1, rollout_batch_size=8, sweep_values=(1.0, 2.0, 4.0)),
+    "multi-turn": dict(steps=3, warmup_steps=1, rollout_batch_size=8),
 }
 
 
