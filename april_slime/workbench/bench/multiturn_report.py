@@ -141,9 +141,11 @@ def format_comparison(comparison: dict[str, Any]) -> list[str]:
     return lines
 
 
-def format_episodes(result: BenchResult) -> str:
-    rows = [["policy", "calls/step", "episodes done/step", "suspended calls/step", "calls resumed", "live (end)"]]
-    for label, s in result.summaries.items():
+def format_episodes(summaries: dict[str, dict[str, Any]]) -> str:
+    """What the episodes did per step (steady state), per policy."""
+    rows = [["policy", "calls/step", "episodes done/step", "suspended calls/step", "calls resumed",
+             "live at step end"]]
+    for label, s in summaries.items():
         if "episode_calls_per_step" in s:
             rows.append([label, f"{s['episode_calls_per_step']:.0f}", f"{s['episodes_finished_per_step']:.0f}",
                          f"{s['suspended_calls_per_step']:.0f}", f"{s['resumed_call_fraction']:.1%}",
@@ -152,6 +154,18 @@ def format_episodes(result: BenchResult) -> str:
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _stationarity(band: dict[str, Any]) -> str:
+    runs = [(side, name, policy, summary) for side in ("multi_turn", "single_turn")
+            for name, by_policy in band[side]["runs"].items() for policy, summary in by_policy.items()]
+    unsteady = [f"{side} {name} {policy}" for side, name, policy, summary in runs if not summary["stationary"]]
+    warmups = [summary["warmup_steps"] for *_, summary in runs]
+    head = f"steady state: warm-up {min(warmups)}-{max(warmups)} steps (MSER on the tokens held by unfinished groups)"
+    if unsteady:
+        more = f" and {len(unsteady) - 8} more" if len(unsteady) > 8 else ""
+        return f"{head}; NOT STATIONARY ({len(unsteady)} of {len(runs)} runs): {', '.join(unsteady[:8])}{more}"
+    return f"{head}; every run stationary"
 
 
 def main_pair(args: argparse.Namespace, workload: Workload, spec: EngineSpec, notes: list[str],
@@ -166,9 +180,11 @@ def main_pair(args: argparse.Namespace, workload: Workload, spec: EngineSpec, no
         print(describe(workload, stats))
         for side, title in (("multi_turn", "multi-turn"), ("single_turn", "single turn, equal tokens")):
             print(f"\n{title}:\n{format_band(band[side])}")
-        print()
+        nominal = variants[0].name
+        print(f"\nmulti-turn episodes ({nominal}):\n{format_episodes(band['multi_turn']['runs'][nominal])}\n")
         for line in format_comparison(band["comparison"]):
             print(line)
+        print(_stationarity(band))
         if args.json:
             _write_json(args.json, {"workload": asdict(workload), "engine": spec.describe(), "episodes": stats,
                                     "band": band})
@@ -185,7 +201,7 @@ def main_pair(args: argparse.Namespace, workload: Workload, spec: EngineSpec, no
         print(f"\n{title}:\n{format_table(result)}")
         for line in headline(result):
             print(line)
-    print(f"\nmulti-turn episodes:\n{format_episodes(multi)}\n")
+    print(f"\nmulti-turn episodes:\n{format_episodes(multi.summaries)}\n")
     comparison = compare(multi.summaries, single.summaries)
     for line in format_comparison(comparison):
         print(line)
