@@ -23,6 +23,7 @@ from april_slime.core.sglang_protocol import (
     output_tokens,
 )
 from april_slime.core.transport import decode_json
+from april_slime.workbench.bench import decode
 from tests.support.reply_tokens import MUTATIONS, VOCAB, WHERE, base_reply, mutated, outcome
 
 
@@ -87,3 +88,14 @@ def test_an_integer_beyond_64_bits_is_refused_where_an_integer_is_wanted():
 def test_a_body_that_is_not_json_raises_value_error(body):
     with pytest.raises(ValueError):
         decode_json(body)
+
+
+def test_the_decode_benchmark_runs_and_reports_its_ratios(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    assert decode.main(["--tokens", "512", "--rounds", "3", "--calls", "1", "--json", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert "client: decode_json + parse_generate_reply" in report and "time / orjson.loads" in report
+    figures = json.loads(out.read_text())
+    assert figures["tokens"] == 512 and set(figures["paths"]) == {"orjson.loads", "client", "reference"}
+    assert figures["paths"]["orjson.loads"]["ratio_median"] == 1.0
+    assert all(p["tokens_per_s_median"] > 0 for p in figures["paths"].values())
