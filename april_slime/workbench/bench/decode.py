@@ -136,7 +136,7 @@ def format_report(summary: dict[str, dict[str, float]], tokens: int, size: int, 
         ratio = f"{s['ratio_median']:.2f}x ({s['ratio_min']:.2f}-{s['ratio_max']:.2f})"
         lines.append(f"{LABELS[name]:<46} {rate:<39} {ratio}")
     ref, client = summary["reference"], summary["client"]
-    lines.append(f"client / reference: {client['ratio_median'] / ref['ratio_median']:.2f} of the time "
+    lines.append(f"client / before: {client['ratio_median'] / ref['ratio_median']:.2f} of the time "
                  f"({ref['ratio_median'] / client['ratio_median']:.1f}x faster)")
     return "\n".join(lines)
 
