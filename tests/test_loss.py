@@ -237,8 +237,11 @@ def test_copris_without_recomputed_log_probs_uses_the_current_policy():
 def test_configuration_errors_are_clear():
     batch, logits = make_batch(seed=9)
     no_old = dict(batch, log_probs=None)
-    with pytest.raises(AprilConfigError, match="decoupled needs the recomputed"):
-        april_loss.policy_loss(make_args(), no_old, logits, reducer_for(batch))
+    with pytest.raises(AprilConfigError, match="decoupled with april_prox_log_probs: recompute needs"):
+        april_loss.policy_loss(make_args(april_prox_log_probs="recompute"), no_old, logits, reducer_for(batch))
+    two_steps = dict(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=4)
+    with pytest.raises(AprilConfigError, match="2 optimizer steps per rollout needs the proximal.*loglinear"):
+        april_loss.policy_loss(make_args(**two_steps), no_old, logits, reducer_for(batch))
     no_rollout = dict(batch, rollout_log_probs=None)
     with pytest.raises(AprilConfigError, match="copris needs rollout log-probs"):
         april_loss.policy_loss(make_args(april_is_mode="copris"), no_rollout, logits, reducer_for(batch))
