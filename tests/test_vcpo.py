@@ -544,21 +544,68 @@ def test_fused_layernorm_linear_and_per_head_norm_match_per_sample_grad(normaliz
     tracker.remove()
 
 
-@pytest.mark.parametrize("mode", ["april", "copris"])
-def test_launcher_vcpo_configuration_runs_the_baseline(mode):
-    # what examples/qwen3-4B-dapo-math/common.sh passes with VCPO_HOOK=1: the <mode>-vcpo.yaml
-    # keys on args, custom loss, no KL loss, tensor parallelism 2 with sequence parallelism
+def launcher_arguments(tmp_path, **env) -> list[str]:
+    """The slime arguments examples/qwen3-4B-dapo-math/common.sh builds (a stand-in slime checkout
+    provides the model script it sources)."""
+    import os
     import pathlib
+    import subprocess
 
+    models = tmp_path / "scripts" / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    (models / "qwen3-4B.sh").write_text("MODEL_ARGS=()\n")
+    common = pathlib.Path(__file__).parents[1] / "examples" / "qwen3-4B-dapo-math" / "common.sh"
+    out = subprocess.run(["bash", "-c", f'source "{common}" && printf "%s\\n" "${{PERF_ARGS[@]}}" '
+                          '"${APRIL_ARGS[@]}" "${GRPO_ARGS[@]}" "${ROLLOUT_ARGS[@]}"'],
+                         env={**os.environ, "SLIME_DIR": str(tmp_path), **env}, capture_output=True, text=True,
+                         check=True)
+    return out.stdout.split("\n")
+
+
+def flag_values(argv: list[str]) -> dict:
+    out, i = {}, 0
+    while i < len(argv):
+        if argv[i].startswith("--"):
+            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            out[argv[i][2:].replace("-", "_")] = argv[i + 1] if has_value else True
+            i += 2 if has_value else 1
+        else:
+            i += 1
+    return out
+
+
+@pytest.mark.parametrize("mode", ["april", "copris"])
+def test_launcher_vcpo_configuration_runs_the_baseline(mode, tmp_path):
+    """What examples/qwen3-4B-dapo-math/common.sh passes with VCPO_HOOK=1 (the <mode>-vcpo.yaml keys on
+    args, custom loss, no KL loss, TP 2 with sequence parallelism, static micro-batches of one prompt
+    group on 4 data-parallel ranks) is what VCPO's group baseline accepts; the launcher without its
+    VCPO batching would be refused, naming the flag."""
     import yaml
 
-    path = pathlib.Path(__file__).parents[1] / "examples" / "qwen3-4B-dapo-math" / "configs" / f"{mode}-vcpo.yaml"
-    args = SimpleNamespace(**yaml.safe_load(path.read_text()), loss_type="custom_loss", use_kl_loss=False,
-                           entropy_coef=0.0, advantage_estimator="grpo", sequence_parallel=True,
-                           tensor_model_parallel_size=2, pipeline_model_parallel_size=1, context_parallel_size=1,
-                           use_rollout_logprobs=True)
+    argv = launcher_arguments(tmp_path, MODE=mode, VCPO_HOOK="1")
+    flags = flag_values(argv)
+    assert "use_dynamic_batch_size" not in flags and flags["micro_batch_size"] == "8"
+    assert "use_kl_loss" not in flags and flags["custom_config_path"].endswith(f"{mode}-vcpo.yaml")
+    args = SimpleNamespace(**yaml.safe_load(open(flags["custom_config_path"]).read()),
+                           loss_type=flags["loss_type"], use_kl_loss=False, entropy_coef=0.0,
+                           advantage_estimator=flags["advantage_estimator"], sequence_parallel=True,
+                           tensor_model_parallel_size=int(flags["tensor_model_parallel_size"]),
+                           pipeline_model_parallel_size=1, context_parallel_size=1, use_rollout_logprobs=True,
+                           micro_batch_size=int(flags["micro_batch_size"]), use_dynamic_batch_size=False,
+                           n_samples_per_prompt=int(flags["n_samples_per_prompt"]),
+                           global_batch_size=int(flags["global_batch_size"]))
     from april_slime.core.config import AprilConfig
 
     config = AprilConfig.from_args(args)
-    assert config.vcpo_baseline and config.vcpo_lr_scaling
-    vcpo.check_settings(args, config)  # nothing refused
+    assert config.vcpo_baseline and config.vcpo_lr_scaling and config.vcpo_baseline_scope == "group"
+    assert config.is_high == 8.0 and config.vcpo_rho_on == 1.0
+    vcpo.check_settings(args, config, dp_size=4)  # nothing refused
+    args.use_dynamic_batch_size = True
+    with pytest.raises(AprilConfigError, match="group with --use-dynamic-batch-size"):
+        vcpo.check_settings(args, config, dp_size=4)
+    args.use_dynamic_batch_size, args.micro_batch_size = False, 4
+    with pytest.raises(AprilConfigError, match="--micro-batch-size 4 .* equal to --n-samples-per-prompt 8"):
+        vcpo.check_settings(args, config, dp_size=4)
+    vcpo.check_settings(args, config, dp_size=1)  # a divisor is enough on one rank
+    plain = flag_values(launcher_arguments(tmp_path, MODE=mode))
+    assert plain["use_dynamic_batch_size"] is True and "micro_batch_size" not in plain

@@ -357,7 +357,7 @@ class GPTLikeLM(TokenwiseLM):
 
 _MEGATRON_TRAINING_STANDINS = {
     "megatron.training": {},
-    "megatron.training.global_vars": {"get_args": None},
+    "megatron.training.global_vars": {"get_args": None, "set_args": None, "_build_tokenizer": None},
     "megatron.training.training": {"get_model": None},
     "megatron.training.checkpointing": {"load_checkpoint": None, "save_checkpoint": None},
     "megatron.training.arguments": {"core_transformer_config_from_args": None},
@@ -366,7 +366,12 @@ _MEGATRON_TRAINING_STANDINS = {
 
 def slime_model_module():
     """slime.backends.megatron_utils.model (where train_one_step lives)."""
-    name = "slime.backends.megatron_utils.model"
+    return slime_module("slime.backends.megatron_utils.model")
+
+
+def slime_module(name: str):
+    """A slime module that imports Megatron-LM's ``megatron.training`` (model.py, actor.py), imported
+    with the stand-ins of that package where it is missing."""
     if name in sys.modules:
         return sys.modules[name]
     installed = []
@@ -433,3 +438,74 @@ def train_one_step(args, ddp, optimizer, scheduler, rollout_data, rollout_id: in
                                          rollout_data["global_batch_sizes"][step])
     finally:
         module.get_args = saved
+
+
+# ------------------------------------------------------------------- slime's trainer actor
+# The model's size as slime's perf log reads it (log_perf_data -> calculate_fwd_flops), for the
+# token-wise model; no multi-latent attention, no experts.
+PERF_ARGS = dict(hidden_size=16, num_attention_heads=1, num_query_groups=1, vocab_size=VOCAB, ffn_hidden_size=16,
+                 num_experts=None, num_layers=1, kv_channels=16, multi_latent_attention=False, q_lora_rank=None,
+                 kv_lora_rank=None)
+# what slime's MegatronTrainRayActor.train_actor and model.train read on top of make_args
+ACTOR_ARGS = dict(use_rollout_routing_replay=False, use_routing_replay=False, compute_advantages_and_returns=True,
+                  keep_old_actor=False, use_critic=False, use_opd=False, ref_update_interval=None,
+                  use_rollout_entropy=False, custom_megatron_before_log_prob_hook_path=None,
+                  reset_optimizer_states=False, manual_gc=False, overlap_grad_reduce=False, align_grad_reduce=False,
+                  overlap_param_gather=False, align_param_gather=False, use_distributed_optimizer=False,
+                  ci_save_grad_norm=None, ci_load_grad_norm=None, **PERF_ARGS)
+
+
+class _Nothing:
+    """The trainer actor's parts that have no work in a one-model CPU job: the weight backups (only the
+    actor's own weights, nothing to swap), the profiler, the weight updater (no engines)."""
+
+    backup_tags = ("actor",)
+
+    def restore(self, tag):
+        pass
+
+    def backup(self, tag):
+        pass
+
+    def step(self, rollout_id=None):
+        pass
+
+    def pop_metrics(self):
+        return {}
+
+
+def train_actor(args, ddp, optimizer, scheduler, rollout_data, rollout_id: int = 0) -> list[dict]:
+    """slime's own ``MegatronTrainRayActor.train_actor`` (slime/backends/megatron_utils/actor.py) on
+    ``rollout_data``: its decision to recompute the log-probs (``compute_log_prob``, the real
+    forward-only pass), the advantages, the rollout log line, every optimizer step of the rollout
+    (model.train) and the perf log line. Returns what reached slime's logger (``logging_utils.log``),
+    one dict per call."""
+    from slime.observability import logging_utils
+    from slime.observability.timer import Timer
+
+    slime_actor = slime_module("slime.backends.megatron_utils.actor")
+    module = slime_model_module()
+    actor = object.__new__(slime_actor.MegatronTrainRayActor)
+    actor.args = args
+    actor.model, actor.optimizer, actor.opt_param_scheduler = [ddp], optimizer, scheduler
+    actor.weights_backuper = actor.prof = actor.weight_updater = _Nothing()
+    actor._active_model_tag = "actor"
+    actor.rollout_data_postprocess = None
+    logged = []
+    real_log = logging_utils.log
+
+    def log(log_args, metrics, step_key):
+        logged.append(dict(metrics))
+        return real_log(log_args, metrics, step_key)
+
+    saved = module.get_args, logging_utils.log
+    module.get_args, logging_utils.log = (lambda: args), log
+    try:
+        timer = Timer()
+        if "train_wait" not in timer.start_time:  # the actor's init starts it (the wait for the first rollout)
+            timer.start("train_wait")
+        with cpu_token_counter():
+            actor.train_actor(rollout_id, rollout_data)
+    finally:
+        module.get_args, logging_utils.log = saved
+    return logged
