@@ -23,23 +23,22 @@ flows one way: batch -> packed samples -> off-policy math (``april_slime.trainin
 loss and metrics, the per-token results sliced back to the local layout that slime's
 ``sum_of_sample_mean`` expects. Without CP (or without slime) both layouts coincide.
 
-Metrics. slime sums every metric over micro-batches and data-parallel ranks and divides by the
-step's sample count (or token count with ``--calculate-per-token-loss``), so each metric here is a
-per-token quantity passed through ``sum_of_sample_mean``: the logged value is its mean over samples
-of the per-sample token mean. Samples without a trained token still count in slime's divisor
-and the loss cannot see the step's count of trained samples, so ``april/trained_frac`` (the
-fraction of the step's samples with a trained token) is reported and every other ``april/``
-sample metric reads "sum over trained samples / all samples": divide by ``trained_frac`` for the
-mean over trained samples. Non-additive statistics are reported through additive parts:
+Metrics (``april_slime.training.loss_metrics`` owns how each is laid out). slime sums every metric
+over micro-batches and data-parallel ranks and divides by the step's sample count (or its token
+count with ``--calculate-per-token-loss``), so each metric here is a per-token quantity passed
+through ``sum_of_sample_mean``. Quantities of a sample (``trained_frac``, ``seq_weight``,
+``seq_weight_sq``, ``ratio_max``) read "sum over trained samples / slime's divisor" in both modes,
+so ``X / trained_frac`` is the mean over trained samples and
+``seq_weight**2 / (trained_frac * seq_weight_sq)`` the step's ESS ratio (log-weights clamped to
++-20 before exp). ``ess_ratio_microbatch`` and the ``is_weight_q*`` quantiles are per micro-batch;
+``kl_rollout_train_k3`` is the k3 estimate of KL(rollout || train); per staleness bucket
+``tokens`` / ``ratio_mass`` give the bucket's mean behaviour ratio (docs/loss.md, "Metrics").
 
-* ``april/seq_weight`` and ``april/seq_weight_sq``: mean of the unclipped sequence weight
-  w = prod pi_old / pi_rollout and of w^2; the step's ESS ratio is
-  ``seq_weight**2 / (trained_frac * seq_weight_sq)`` (log-weights clamped to +-20 before exp).
-* ``april/ess_ratio_microbatch``: ESS/N of each micro-batch, averaged over samples.
-* ``april/ratio_max``: mean over samples of each sample's largest clip ratio.
-* per staleness bucket b (``stale0``, ``stale1``, ``stale2``, ``stale3+``): ``tokens`` is the mean
-  token fraction in the bucket, ``ratio_mass`` the same fraction weighted by pi_old / pi_rollout,
-  so ``ratio_mass / tokens`` is the bucket's mean behaviour ratio.
+Proximal log-probs: slime's recomputed ones when the batch has them; otherwise the training
+forward's own (one optimizer step per rollout, or copris) or the log-linear interpolation
+(``april_prox_log_probs: loglinear``, ``april_slime.training.proximal``). ``policy_loss`` answers
+slime's question whether it needs the recompute (``reuses_train_log_probs``, asked through
+``patches/slime-skip-proximal-recompute.patch``).
 
 VCPO (``april_slime.vcpo``; needs ``april_slime.vcpo.before_train_step`` as slime's
 before-train-step hook, which creates the job's ``vcpo.runtime()``):
@@ -49,9 +48,9 @@ before-train-step hook, which creates the job's ``vcpo.runtime()``):
   mode) to the step's ESS statistics; the optimizer step reduces them across ranks and scales the
   learning rate. Nothing else in the loss changes.
 * ``april_vcpo_baseline``: the policy-gradient term is ``opob_policy_loss`` (sequence-level
-  corrected weight times the summed response NLL, a plain sum over samples that slime's loss
-  scaling turns into the step mean), with the off-policy optimal baseline applied to the
-  gradients after the last micro-batch (``april_slime.training.baseline``). Defined for
+  corrected weight times the response NLL, summed or length-normalised, a plain sum over samples
+  that slime's loss scaling turns into the step mean), with the off-policy optimal baseline folded
+  into the gradients micro-batch by micro-batch (``april_slime.training.baseline``). Defined for
   ``april_is_mode: copris`` with ``april_is_level: sequence`` only; ``vcpo.check_settings`` refuses
   everything else. The metrics
   keep their keys (``april/ratio_*`` is then the unclipped sequence ratio, ``pg_clipfrac`` 0).

@@ -222,7 +222,7 @@ MUTATIONS: list[Mutation] = [
             'if len(num_microbatches) != 1 and config.prox_log_probs != "loglinear":',
             "if False:",
         ),),
-        tests=("tests/real/training/test_slime_proximal.py",),
+        tests=("tests/real/training/test_slime_train_step.py",),
     ),
     Mutation(
         name="loglinear-first-step-keeps-fresh-tokens-on-the-rollout",
@@ -233,7 +233,7 @@ MUTATIONS: list[Mutation] = [
             "        return torch.ones_like(lag)",
             "        return (lag > 0).to(torch.float64)",
         ),),
-        tests=("tests/real/training/test_slime_proximal.py",),
+        tests=("tests/real/training/test_slime_train_step.py",),
     ),
     *_slime_patch_mutations(),
 ]

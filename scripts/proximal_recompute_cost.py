@@ -8,8 +8,10 @@ alternately with ``april_prox_log_probs: recompute`` (slime's separate log-prob 
 step) and ``auto`` (the custom loss takes the proximal log-probs from its training forward;
 patches/slime-skip-proximal-recompute.patch lets slime skip the recompute). Each repetition runs
 both, in alternating order, after ``--warmup`` unmeasured ones; reported: the median and band of
-the per-repetition ratio of train_actor's wall time (recompute / auto), and slime's own timers of
-that rollout (``perf/log_probs_time``, ``perf/actor_train_time``).
+the per-repetition ratio of train_actor's CPU seconds (``time.process_time``, one thread: a loaded
+machine does not inflate it the way it inflates wall time; ``--clock wall`` for wall seconds),
+recompute / auto, and slime's own (wall-clock) timers of that rollout (``perf/log_probs_time``,
+``perf/actor_train_time``).
 
 The model is the training tier's token-wise model, made deeper and wider so that compute, not
 Python, dominates (``--dim``, ``--depth``); a transformer's forward is a larger share of its step.
@@ -41,11 +43,11 @@ def one_rollout(sc, args, dim, depth, prompts, per_prompt, max_response):
     ddp, optimizer, scheduler = sc.megatron_trainer(model, "sgd", 0.01)
     data = sc.rollout_to_trainer(args, sc.make_stale_samples(model, num_prompts=prompts, per_prompt=per_prompt,
                                                              max_response=max_response))
-    t0 = time.perf_counter()
+    w0, c0 = time.perf_counter(), time.process_time()
     logged = sc.train_actor(args, ddp, optimizer, scheduler, data)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     perf = next(line for line in logged if "perf/actor_train_time" in line)
-    return wall, "log_probs" in data, perf
+    return {"wall": wall, "cpu": cpu}, "log_probs" in data, perf
 
 
 def main(argv=None) -> dict:
@@ -57,7 +59,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--per-prompt", type=int, default=8)
     ap.add_argument("--max-response", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -80,10 +83,10 @@ def main(argv=None) -> dict:
             order = ("recompute", "auto") if rep % 2 == 0 else ("auto", "recompute")
             this = {}
             for mode in order:
-                wall, recomputed, line = one_rollout(sc, sc.make_args(**job, april_prox_log_probs=mode), args.dim,
+                clocks, recomputed, line = one_rollout(sc, sc.make_args(**job, april_prox_log_probs=mode), args.dim,
                                                      args.depth, args.prompts, args.per_prompt, args.max_response)
                 assert recomputed == (mode == "recompute"), (mode, recomputed)
-                this[mode] = (wall, line)
+                this[mode] = (clocks[args.clock], line)
             print(f"rep {rep}{' (warm-up)' if rep < args.warmup else ''}: "
                   + "  ".join(f"{m} {this[m][0]:.2f}s" for m in ("recompute", "auto")), flush=True)
             if rep >= args.warmup:
@@ -95,7 +98,7 @@ def main(argv=None) -> dict:
     log_probs = [p["perf/log_probs_time"] for p in perf["recompute"]]
     train_r = [p["perf/actor_train_time"] for p in perf["recompute"]]
     result = {
-        "commit": commit(), "threads": args.threads, "steps": args.steps, "warmup": args.warmup,
+        "commit": commit(), "clock": args.clock, "threads": args.threads, "steps": args.steps, "warmup": args.warmup,
         "model": {"dim": args.dim, "depth": args.depth, "vocab": sc.VOCAB}, "samples": n,
         "max_response": args.max_response,
         "train_actor_s_median": {m: statistics.median(v) for m, v in walls.items()},

@@ -15,38 +15,28 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 
 from april_slime import loss as april_loss
 from april_slime import vcpo
 from april_slime.core.config import AprilConfigError
+from tests.support.training import tokenwise
 from tests.support.training.opob_reference import reference_gradient
 
 VOCAB, D, H = 11, 6, 8
 TEMPERATURE = 0.7
 
 
-class TokenwiseLM(nn.Module):
-    """Position-wise LM: samples packed into one stream cannot interact (as with slime's varlen
-    attention), and every parameter sits in a layer with a per-sample gradient rule."""
+class TokenwiseLM(tokenwise.TokenwiseLM):
+    """The position-wise model with the Megatron config slime's train() hands finalize_model_grads to."""
 
     def __init__(self, seed):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed = nn.Embedding(VOCAB, D)
-        self.norm = nn.LayerNorm(D)
-        self.up = nn.Linear(D, H)
-        self.head = nn.Linear(H, VOCAB, bias=False)
-        self.double()
+        super().__init__(seed, VOCAB, D, H)
         self.finalize_calls = 0
         # Megatron's TransformerConfig; slime's train() installs finalize_model_grads every rollout
         self.config = SimpleNamespace(finalize_model_grads_func=self._megatron_finalize)
 
     def _megatron_finalize(self, model_chunks, num_tokens=None):
         self.finalize_calls += 1
-
-    def forward(self, tokens):  # [1, T] -> [1, T, V]
-        return self.head(torch.tanh(self.up(self.norm(self.embed(tokens)))))
 
 
 class RecordingSGD(torch.optim.SGD):

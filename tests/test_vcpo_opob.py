@@ -12,32 +12,20 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from april_slime.training.baseline import OpobAccumulator, OpobOptions, SampleGroups, opob_policy_loss
 from april_slime.training.grad_norms import PerSampleGradNorms
 from april_slime.training.offpolicy import Packing
 from april_slime.training.packed import response_log_probs_from_logits
+from tests.support.training import tokenwise
 from tests.support.training.opob_reference import reference_gradient
 
 VOCAB, D, H = 13, 6, 9
 HIGH = 1.6
 
 
-class TokenwiseLM(nn.Module):
-    """Position-wise: packed samples cannot interact, every parameter has a per-sample rule."""
-
-    def __init__(self, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed = nn.Embedding(VOCAB, D)
-        self.norm = nn.LayerNorm(D)
-        self.up = nn.Linear(D, H)
-        self.head = nn.Linear(H, VOCAB, bias=False)
-        self.double()
-
-    def forward(self, tokens):  # [1, T] -> [1, T, V]
-        return self.head(torch.tanh(self.up(self.norm(self.embed(tokens)))))
+def TokenwiseLM(seed=0):
+    return tokenwise.TokenwiseLM(seed, VOCAB, D, H)
 
 
 def make_samples(seed, group_sizes, equal_rewards_group=None):

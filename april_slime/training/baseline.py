@@ -195,8 +195,8 @@ class OpobAccumulator:
     it folds the previous micro-batch), then ``finish()`` after the last backward and before any
     gradient reduction (Megatron's ``finalize_model_grads``). The tensor-parallel group whose
     shards add up to a sample's norm is ``grad_norms``'; ``dp_group``: the ranks whose samples
-    share the global baseline (None: every rank of the job). The group scope keeps every group on one rank: nothing crosses ranks but the
-    per-sample norms over the TP group.
+    share the global baseline (None: every rank of the job). The group scope keeps every group on
+    one rank: nothing crosses ranks but the per-sample norms over the TP group.
     """
 
     def __init__(self, grad_norms: PerSampleGradNorms, params: Sequence[nn.Parameter],
