@@ -100,6 +100,9 @@ if [[ -n "$slime_src" ]]; then
     fi
     flock -u 9
     "${vpip[@]}" --no-deps "$patched"
+    # slime's trainer actor (megatron_utils/actor.py) imports it at module level; it only acts on
+    # CUDA memory, and the training tier runs that actor's train_actor on the CPU
+    "${vpip[@]}" --no-deps torch-memory-saver==0.0.10
     log "slime from $slime_src (patches applied)"
 elif [[ "${APRIL_REQUIRE_REAL:-}" == 1 || "${CI:-}" =~ ^([Tt][Rr][Uu][Ee]|1|yes)$ ]]; then
     # CI must run the real tier: stop here rather than let it skip.
