@@ -229,3 +229,26 @@ def test_router_dispatch_job_loses_nothing_and_aborts_only_engines(policy):
     assert generates == {router}
     aborted = [u for u, path in calls if path == "/abort_request"]
     assert aborted and set(aborted) == set(engines), "aborts go to every engine, never to the router"
+
+
+async def test_router_mode_reads_loads_from_the_engines_with_the_replies_retractions():
+    """The router has no /v1/loads; the engines' loads are read instead, and the retractions the
+    replies reported through the router count once over the engines (the adaptive N' reads them)."""
+    def loads(_):
+        return answer({"loads": [{"num_running_reqs": 1, "num_waiting_reqs": 0, "num_used_tokens": 5,
+                                  "max_total_num_tokens": 100}]})
+
+    def retracted(payload):
+        body = reply(payload["rid"])
+        body["meta_info"]["num_retractions"] = 2
+        return answer(body)
+
+    transport, pending = router_client({(ROUTER, "/generate"): retracted, (E1, "/v1/loads"): loads,
+                                        (E2, "/v1/loads"): loads})
+    client = await pending
+    await client.generate(ROUTER, [1, 2], max_new_tokens=4, rid="d#0", sampling_params={}, sampling_seed=1)
+    got = await client.loads()
+    assert [load.url for load in got] == [E1, E2]
+    assert sum(load.retractions for load in got) == 2 and sum(load.num_running for load in got) == 2
+    assert not [c for c in transport.calls if c[0] == ROUTER and c[1] == "/v1/loads"]
+    await client.close()

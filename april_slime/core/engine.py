@@ -433,12 +433,18 @@ class EngineClient:
         """Current load of every engine (``worker_urls``: behind the router too), queried
         concurrently, in ``worker_urls`` order."""
 
+        # retractions the replies reported: per engine, or (through the router, which says no
+        # engine) all on the first one, so that their sum over the engines stays right
+        router = [u for u in self.engine_urls if self.dispatch.is_router(u)]
+        counted = {u: self._stats(u).retractions_in_replies for u in self.worker_urls}
+        if router:
+            counted[self.worker_urls[0]] += self._stats(router[0]).retractions_in_replies
+
         async def one(url: str) -> EngineLoad:
             reply = await self._call(
                 url, "GET", "/v1/loads", None, timeout_s=self.control_timeout_s
             )
-            return self._counting_reply_errors(
-                url, parse_load, reply, url, self._stats(url).retractions_in_replies)
+            return self._counting_reply_errors(url, parse_load, reply, url, counted[url])
 
         # Every query runs to its end (no task is left behind unobserved); the first failure wins.
         results = await asyncio.gather(
