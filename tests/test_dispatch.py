@@ -134,11 +134,14 @@ async def test_router_mode_sends_generates_to_the_router_and_aborts_to_every_eng
 
 
 async def test_router_mode_refuses_fields_the_router_drops():
-    transport, pending = router_client({(ROUTER, "/generate"): lambda p: answer(reply(p["rid"]))})
+    transport, pending = router_client({(ROUTER, "/generate"): lambda p: answer(reply(p["rid"]))}, vocab_size=50)
     client = await pending
     with pytest.raises(RequestRejected, match="drops sampling_params.custom_params"):
         await client.generate(ROUTER, [1, 2], max_new_tokens=2, rid="b#0", sampling_seed=1,
                               sampling_params={"custom_params": {"return_top_p_token_ids": True}})
+    # the engine-safety check holds through the router too: an id outside the vocabulary never leaves
+    with pytest.raises(RequestRejected, match="token id 50 at position 1"):
+        await client.generate(ROUTER, [1, 50], max_new_tokens=2, rid="b#1", sampling_seed=1, sampling_params={})
     assert not [c for c in transport.calls if c[1] == "/generate"], "nothing was sent"
     await client.close()
 
