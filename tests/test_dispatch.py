@@ -255,3 +255,18 @@ async def test_router_mode_reads_loads_from_the_engines_with_the_replies_retract
     assert sum(load.retractions for load in got) == 2 and sum(load.num_running for load in got) == 2
     assert not [c for c in transport.calls if c[0] == ROUTER and c[1] == "/v1/loads"]
     await client.close()
+
+
+def test_a_job_needing_what_the_router_drops_stops_before_its_first_call():
+    from argparse import Namespace
+
+    from april_slime.rollout import check_router_fields, deployment_hints
+
+    router = choose("router", ROUTER, [Worker(E1, E1)])
+    replay = Namespace(rollout_temperature=1.0, use_rollout_routing_replay=True)
+    with pytest.raises(AprilConfigError, match="the router drops return_routed_experts"):
+        check_router_fields(router, replay)
+    check_router_fields(choose("direct", ROUTER, [Worker(E1, E1)]), replay)  # direct carries it
+    check_router_fields(router, Namespace(rollout_temperature=1.0))
+    hints = deployment_hints(Namespace(prefill_num_servers=2, router_dp_aware=False, router_policy="cache_aware"))
+    assert hints == DeploymentHints(pd_disaggregation=True, dp_aware_router=False, router_policy="cache_aware")
