@@ -180,6 +180,9 @@ async def _discover(router_url: str, transport: Transport, dispatch: str, hints:
 async def _fan_out(calls: list[Awaitable[None]], what: str) -> None:
     """Run ``calls`` (one per engine) at once; one success is enough, all failing raises the first
     error (an abort through the router: a worker without the rid does nothing)."""
+    if len(calls) == 1:  # direct dispatch: the call itself, with no task around it
+        await calls[0]
+        return
     results = await asyncio.gather(*calls, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     for error in errors:
