@@ -235,6 +235,33 @@ MUTATIONS: list[Mutation] = [
         ),),
         tests=("tests/real/training/test_slime_train_step.py",),
     ),
+    Mutation(
+        name="router-abort-not-fanned-out",
+        what="through the router, an abort goes to the router (which has no /abort_request) instead of "
+             "to every engine",
+        edits=(Edit(
+            "april_slime/core/dispatch.py",
+            "return list(self.engines) if self.is_router(target) else [normalise_url(target)]",
+            "return [normalise_url(target)]",
+        ),),
+        tests=("tests/test_dispatch.py", "tests/real/test_router_dispatch.py"),
+    ),
+    Mutation(
+        name="auto-dispatch-ignores-pd",
+        what="auto dispatch sends generates straight to PD-disaggregated workers",
+        edits=(Edit("april_slime/core/dispatch.py", "    if needs_router:\n", "    if False:\n"),),
+        tests=("tests/test_dispatch.py",),
+    ),
+    Mutation(
+        name="slime-0.4-data-source-not-found",
+        what="slime 0.4.0's moved data source module is not looked for",
+        edits=(Edit(
+            "april_slime/slime_compat.py",
+            'DATA_SOURCE_MODULES = ("slime.rollout.data_source", "slime.data.data_source")',
+            'DATA_SOURCE_MODULES = ("slime.rollout.data_source",)',
+        ),),
+        tests=("tests/test_slime_compat.py",),
+    ),
     *_slime_patch_mutations(),
 ]
 

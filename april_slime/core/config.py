@@ -29,6 +29,7 @@ from typing import Any
 from april_slime.core.keys import SETTING_PREFIX
 
 POLICIES = ("sync", "april", "copris")
+DISPATCH_MODES = ("auto", "direct", "router")  # april_slime.core.dispatch reads them
 STALE_ACTIONS = ("restart", "drop")
 RESUME_PRIORITIES = ("verl", "fifo", "stalest")
 IS_MODES = ("on_policy", "copris", "decoupled")
@@ -101,6 +102,13 @@ class AprilConfig:
         default=1, metadata={"help": "Lower bound for the adaptive concurrency controller."})
     max_concurrency: int | None = field(
         default=None, metadata={"help": "Upper bound for the adaptive controller (default 4 * N')."})
+    dispatch: str = field(
+        default="auto",
+        metadata={"help": "Where model calls go: direct (to the engine the plugin picks by load; aborts by "
+                          "rid), router (generate through slime's router, which places each call by its own "
+                          "policy; aborts fanned out to every engine), auto (router where the engines must be "
+                          "reached through it: PD disaggregation, a DP-aware router; else direct)."},
+    )
     request_timeout_s: float = field(
         default=3600.0, metadata={"help": "Timeout of one generate call, in seconds (finite)."})
     max_retries: int = field(
@@ -252,6 +260,7 @@ class AprilConfig:
         _choice("policy", self.policy, POLICIES)
         _choice("stale_action", self.stale_action, STALE_ACTIONS)
         _choice("resume_priority", self.resume_priority, RESUME_PRIORITIES)
+        _choice("dispatch", self.dispatch, DISPATCH_MODES)
         _choice("is_mode", self.is_mode, IS_MODES)
         _choice("is_level", self.is_level, IS_LEVELS)
         _choice("is_correction", self.is_correction, IS_CORRECTIONS)

@@ -403,24 +403,6 @@ def normalise_url(url: str) -> str:
     return url.rstrip("/")
 
 
-def parse_worker_urls(reply: Any, router_url: str) -> list[str]:
-    """Accept ``{"urls": [...]}``, ``{"workers": [...]}`` or a bare list; items are URLs or
-    objects with a ``url`` key (the shapes of sglang-router's and its gateway's worker lists)."""
-    if isinstance(reply, dict):
-        items = reply.get("urls", reply.get("workers"))
-    else:
-        items = reply
-    if not isinstance(items, list):
-        raise EngineReplyError(f"router {router_url} GET /workers: no worker list in {reply!r}")
-    urls = []
-    for item in items:
-        url = item.get("url") if isinstance(item, dict) else item
-        if not isinstance(url, str) or not url:
-            raise EngineReplyError(f"router {router_url} GET /workers: bad worker entry {item!r}")
-        urls.append(normalise_url(url))
-    return urls
-
-
 def parse_load(reply: Any, url: str, retractions_in_replies: int = 0) -> EngineLoad:
     """SGLang reports one entry per data-parallel rank; an engine's load is their sum. Without a
     ``num_retractions`` entry (SGLang 0.5.23) the retractions are those the replies reported."""
