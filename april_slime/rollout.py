@@ -39,6 +39,7 @@ from april_slime.core.dispatch import DeploymentHints, router_dropped_fields
 from april_slime.core.episodes import EpisodeRunner
 from april_slime.core.front import EpisodeFront
 from april_slime.core.keys import METRIC_PREFIX
+from april_slime.core.sglang_protocol import EngineError
 from april_slime.core.types import Group
 from april_slime.data_source import AprilDataSource, load_config
 from april_slime.generate_functions import GenerateFunctions
@@ -214,7 +215,7 @@ class _Runtime:
         # the engines out of dispatch are asked only when none in dispatch answers: one of them may
         # be back, and the step's own probes readmit it (else one dead engine would end the job)
         others = [u for u in self.client.engine_urls if u not in usable]
-        raw, replies = [], []
+        raw, errors = [], []
         for urls in (usable, others):
             replies = await asyncio.gather(*(self.client.client.weight_version(u) for u in urls),
                                            return_exceptions=True)
@@ -224,10 +225,13 @@ class _Runtime:
                     if not isinstance(r, Exception):
                         raise r
                     logger.warning("engine %s did not report its weight version: %s", url, r)
+                    errors.append(r)
             if raw:
                 break
         if not raw:
-            raise next(r for r in replies if isinstance(r, BaseException))
+            # every engine was asked (in dispatch or not) and none answered: the step cannot start;
+            # the last engine's own error says why (a caller retries the step on EngineError)
+            raise errors[-1] if errors else EngineError("no rollout engine to ask for its weight version")
         if len(set(raw)) > 1:
             logger.warning("rollout engines report different weight versions %s; using the newest", raw)
         newest = max(raw)
