@@ -1,5 +1,5 @@
-"""The demo's pieces that need neither SGLang nor transformers: task, reward, advantages, the
-sample-mean reducer, settings and command-line checks. The whole loop runs in tests/real/test_demo.py."""
+"""The demo's pieces that need no SGLang: task, reward, advantages, the sample-mean reducer, the
+supervised loss, settings and command-line checks. The whole loop runs in tests/real/test_demo.py."""
 
 from __future__ import annotations
 
@@ -100,3 +100,42 @@ def test_cli_says_what_is_missing_without_the_real_stack(monkeypatch, capsys):
     monkeypatch.setattr("april_slime.workbench.localstack.real_stack_missing", lambda: "SGLang is not installed (here)")
     assert cli.main(["--quick"]) == 2
     assert "needs the real-stack environment: SGLang is not installed (here)" in capsys.readouterr().err
+
+
+def test_a_shared_prompt_prefix_runs_once_with_the_same_loss_and_gradients():
+    """``sft_loss`` runs a prefix every demonstration shares (a system prompt) once and the rest on
+    its cache: loss and gradients are those of the plain padded batch."""
+    transformers = pytest.importorskip("transformers")
+    import random
+
+    from april_slime.workbench.demo.policy import SHARED_PREFIX_MIN, _padded, sft_loss, shared_prefix
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    model = transformers.Qwen3ForCausalLM(config).float()
+    rng = random.Random(0)
+    prefix = [rng.randrange(1, 50) for _ in range(SHARED_PREFIX_MIN + 8)]
+    rows, prompt_lengths, trained = [], [], []
+    for k in range(4):
+        prompt = prefix + [rng.randrange(1, 50) for _ in range(k % 3)]
+        response = [rng.randrange(1, 50) for _ in range(3 + 2 * k)]
+        rows.append(prompt + response)
+        prompt_lengths.append(len(prompt))
+        # a tool output inside the response is not trained on
+        trained.append([False] * len(prompt) + [j not in (1, 2) for j in range(len(response))])
+    assert shared_prefix(rows, prompt_lengths) == len(prefix) - 1  # the shortest prompt is the prefix itself
+
+    grads = []
+    for shared in (True, False):
+        model.zero_grad()
+        if shared:
+            loss = sft_loss(model, rows, prompt_lengths, trained, pad=0)
+        else:
+            ids, mask, target = _padded(rows, trained, pad=0)
+            loss = model(input_ids=ids, attention_mask=mask, labels=target).loss
+        loss.backward()
+        grads.append((float(loss), [p.grad.clone() for p in model.parameters()]))
+    (a, ga), (b, gb) = grads
+    assert a == pytest.approx(b, rel=1e-5)
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(ga, gb))

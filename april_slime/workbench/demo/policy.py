@@ -23,9 +23,15 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from april_slime.workbench.demo import task
+
+# (prompt, response) text of one demonstration, drawn with the given generator; the response is a
+# text, or (text, trained) segments: a multi-turn demonstration's tool outputs are not trained on
+Demonstrate = Callable[[random.Random], tuple[str, "str | list[tuple[str, bool]]"]]
+
+SHARED_PREFIX_MIN = 32  # tokens of shared prompt prefix worth a forward of its own
 
 # Bump when the build below changes in a way the settings do not capture.
 BUILD_FORMAT = 1
@@ -80,47 +86,99 @@ def demonstration(rng: random.Random, spec: PolicySpec) -> tuple[str, str]:
     return task.prompt_text(digits), answer + task.EOS
 
 
-def _sft_batch(tokenizer, rng: random.Random, spec: PolicySpec):
-    """Right-padded input ids, attention mask and labels (-100 outside the responses)."""
+def _sft_rows(tokenizer, rng: random.Random, demonstrate: Demonstrate, batch_size: int):
+    """Token ids of ``batch_size`` demonstrations (prompt + response), each one's prompt length, and
+    which tokens are trained on (the response's, less its untrained segments)."""
+    rows, prompt_lengths, trained = [], [], []
+    for _ in range(batch_size):
+        prompt, response = demonstrate(rng)
+        p = tokenizer.encode(prompt, add_special_tokens=False)
+        segments = [(response, True)] if isinstance(response, str) else response
+        r, keep = [], []
+        for text, trainable in segments:  # one by one, as a multi-turn function tokenizes them
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            r += ids
+            keep += [trainable] * len(ids)
+        rows.append(p + r)
+        prompt_lengths.append(len(p))
+        trained.append([False] * len(p) + keep)
+    return rows, prompt_lengths, trained
+
+
+def _padded(rows: list[list[int]], trained: list[list[bool]], pad: int):
+    """Right-padded input ids, attention mask and labels (-100 where not trained)."""
     import torch
 
-    rows, labels = [], []
-    for _ in range(spec.sft_batch_size):
-        prompt, response = demonstration(rng, spec)
-        p = tokenizer.encode(prompt, add_special_tokens=False)
-        r = tokenizer.encode(response, add_special_tokens=False)
-        rows.append(p + r)
-        labels.append([-100] * len(p) + r)
     width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
+    labels = [[t if k else -100 for t, k in zip(r, keep)] for r, keep in zip(rows, trained)]
     ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     target = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
     return ids, mask, target
 
 
-def warm_start(model, tokenizer, spec: PolicySpec, log: Callable[[str], None] = print) -> list[float]:
-    """Supervised phase on noisy demonstrations; returns the loss of every step."""
+def shared_prefix(rows: list[list[int]], prompt_lengths: list[int]) -> int:
+    """Tokens every row begins with, short of each prompt's last token (whose logits predict the
+    first response token and so must be computed with the row)."""
+    limit = min(prompt_lengths) - 1
+    n = 0
+    while n < limit and all(r[n] == rows[0][n] for r in rows):
+        n += 1
+    return max(n, 0)
+
+
+def sft_loss(model, rows: list[list[int]], prompt_lengths: list[int], trained: list[list[bool]], pad: int):
+    """Mean cross-entropy of the response tokens. Demonstrations that share a long prompt prefix (a
+    system prompt) run it once, batch 1, and their suffixes on its key/value cache, rather than
+    the prefix once per row: the same loss, for a fraction of the compute."""
     import torch
 
-    rng = random.Random(spec.seed)
-    torch.manual_seed(spec.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
+    shared = shared_prefix(rows, prompt_lengths)
+    if shared < SHARED_PREFIX_MIN:
+        ids, mask, target = _padded(rows, trained, pad)
+        return model(input_ids=ids, attention_mask=mask, labels=target).loss
+    cache = model(input_ids=torch.tensor([rows[0][:shared]]), use_cache=True).past_key_values
+    cache.batch_repeat_interleave(len(rows))
+    ids, mask, target = _padded([r[shared:] for r in rows], [k[shared:] for k in trained], pad)
+    mask = torch.cat([torch.ones(len(rows), shared, dtype=mask.dtype), mask], dim=1)
+    logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                             target[:, 1:].reshape(-1), ignore_index=-100)
+
+
+def supervised(model, tokenizer, demonstrate: Demonstrate | Sequence[Demonstrate], *, steps: int, batch_size: int,
+               lr: float, seed: int, log: Callable[[str], None] = print) -> list[float]:
+    """Supervised phase: ``steps`` AdamW steps on batches of ``demonstrate(rng)`` (prompt, response)
+    texts, the loss on the response tokens only; returns the loss of every step. Several
+    ``demonstrate`` functions take turns, one batch each (a batch of one kind shares its prompt
+    prefix, which ``sft_loss`` computes once)."""
+    import torch
+
+    kinds = [demonstrate] if callable(demonstrate) else list(demonstrate)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     losses = []
     started = time.perf_counter()
-    for step in range(spec.sft_steps):
-        ids, mask, target = _sft_batch(tokenizer, rng, spec)
-        loss = model(input_ids=ids, attention_mask=mask, labels=target).loss
+    for step in range(steps):
+        rows, prompt_lengths, trained = _sft_rows(tokenizer, rng, kinds[step % len(kinds)], batch_size)
+        loss = sft_loss(model, rows, prompt_lengths, trained, tokenizer.pad_token_id)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-        if (step + 1) % 100 == 0 or step + 1 == spec.sft_steps:
-            log(f"warm start: step {step + 1}/{spec.sft_steps}, loss {sum(losses[-20:]) / len(losses[-20:]):.3f}, "
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            log(f"warm start: step {step + 1}/{steps}, loss {sum(losses[-20:]) / len(losses[-20:]):.3f}, "
                 f"{time.perf_counter() - started:.0f}s")
     model.eval()
     return losses
+
+
+def warm_start(model, tokenizer, spec: PolicySpec, log: Callable[[str], None] = print) -> list[float]:
+    """Supervised phase on noisy demonstrations; returns the loss of every step."""
+    return supervised(model, tokenizer, lambda rng: demonstration(rng, spec), steps=spec.sft_steps,
+                      batch_size=spec.sft_batch_size, lr=spec.sft_lr, seed=spec.seed, log=log)
 
 
 def build_policy(cache_dir: str | Path, spec: PolicySpec, log: Callable[[str], None] = print) -> Path:
