@@ -175,14 +175,16 @@ def supervised(model, tokenizer, demonstrate: Demonstrate | Sequence[Demonstrate
     return losses
 
 
-def warm_start(model, tokenizer, spec: PolicySpec, log: Callable[[str], None] = print) -> list[float]:
-    """Supervised phase on noisy demonstrations; returns the loss of every step."""
-    return supervised(model, tokenizer, lambda rng: demonstration(rng, spec), steps=spec.sft_steps,
-                      batch_size=spec.sft_batch_size, lr=spec.sft_lr, seed=spec.seed, log=log)
-
-
 def build_policy(cache_dir: str | Path, spec: PolicySpec, log: Callable[[str], None] = print) -> Path:
     """The warm-started checkpoint for ``spec``: reused from ``cache_dir`` when built before."""
+    return build_checkpoint(cache_dir, spec, task.build_tokenizer(), lambda rng: demonstration(rng, spec), log)
+
+
+def build_checkpoint(cache_dir: str | Path, spec, tokenizer, demonstrate: Demonstrate,
+                     log: Callable[[str], None] = print) -> Path:
+    """A tiny Qwen3 over ``tokenizer``, shaped and warm-started as ``spec`` says (its model shape,
+    ``sft_*`` settings and ``seed``) on ``demonstrate``; built once under ``cache_dir`` as
+    ``policy-<spec.key()>`` and reused from there."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -195,14 +197,14 @@ def build_policy(cache_dir: str | Path, spec: PolicySpec, log: Callable[[str], N
         return out
     tmp = cache_dir / f".policy-{spec.key()}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = task.build_tokenizer()
-    build_tiny_qwen3(tmp, tokenizer=tokenizer, vocab_size=len(task.VOCAB), hidden_size=spec.hidden_size,
+    build_tiny_qwen3(tmp, tokenizer=tokenizer, vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
                      num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                      head_dim=spec.head_dim, seed=spec.seed)
     model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
     set_stop_token(model, tokenizer)
     log(f"warm start: {sum(p.numel() for p in model.parameters())} parameters, {spec.sft_steps} supervised steps")
-    losses = warm_start(model, tokenizer, spec, log)
+    losses = supervised(model, tokenizer, demonstrate, steps=spec.sft_steps, batch_size=spec.sft_batch_size,
+                        lr=spec.sft_lr, seed=spec.seed, log=log)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "demo_policy.json").write_text(json.dumps(
