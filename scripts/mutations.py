@@ -180,6 +180,17 @@ MUTATIONS: list[Mutation] = [
         ),),
         tests=("tests/test_offpolicy.py", "tests/test_loss.py", "tests/real/training/test_slime_loss_modes.py"),
     ),
+    Mutation(
+        name="episode-tokens-take-first-version",
+        what="an episode's returned sample gives every model token the version of its first served token",
+        edits=(Edit(
+            "april_slime/generate_functions.py",
+            "        versions.append(last)\n",
+            "        versions.append(served_versions[0] if served_versions else last)\n",
+        ),),
+        tests=("tests/test_episodes.py", "tests/test_generate_functions.py", "tests/real/test_episodes_real.py",
+               "tests/real/test_agent_examples_real.py"),
+    ),
     *_slime_patch_mutations(),
 ]
 
