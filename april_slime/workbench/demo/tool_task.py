@@ -60,8 +60,8 @@ class ToolPolicySpec:
     num_kv_heads: int = 2
     head_dim: int = 16
     sft_steps: int = 300
-    sft_batch_size: int = 64
-    sft_lr: float = 3e-3
+    sft_batch_size: int = 32
+    sft_lr: float = 5e-3
     skip_prob: float = 0.4
     copy_noise: float = 0.1
     ramble_prob: float = 0.3
