@@ -35,7 +35,7 @@ import pytest
 
 from april_slime import rollout
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
-from tests.support.slime_examples import EXAMPLE_MODULES, TARBALL, RetrievalStub, extract_examples
+from tests.support.slime_examples import EXAMPLE_MODULES, TARBALL, RetrievalStub, extract_examples, mask_runs
 from tests.support.slime_jobs import Cluster, loop_run, make_args, point_at
 from tests.support.slime_standin import real_slime_importable
 
@@ -169,17 +169,6 @@ def job_args(tmp_path, prompts, cluster, policy: str, **settings):
 
 def expand(runs) -> list[int]:
     return [v for v, c in runs for _ in range(c)]
-
-
-def mask_runs(mask: list[int]) -> list[tuple[int, int, int]]:
-    """(value, start, end) of every maximal run of equal loss-mask values."""
-    runs: list[tuple[int, int, int]] = []
-    for k, m in enumerate(mask):
-        if runs and runs[-1][0] == m:
-            runs[-1] = (m, runs[-1][1], k + 1)
-        else:
-            runs.append((m, k, k + 1))
-    return runs
 
 
 def check_sample(s, observations: list[list[int]], max_turns: int) -> int:

@@ -32,7 +32,7 @@ from april_slime import rollout
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
 from tests.support import tag_policy
 from tests.support.real_tier import SlimeRolloutManager, check_multi_turn_contract, plugin_args, token_logprobs
-from tests.support.slime_examples import RetrievalStub, extract_examples, forget_examples, import_examples
+from tests.support.slime_examples import RetrievalStub, extract_examples, forget_examples, import_examples, mask_runs
 
 PER_CALL = 48  # rollout_max_response_len: the budget of each model call
 RESTART_AFTER = 2  # job 1 runs steps 0..2, saves and dies; job 2 loads and runs on
@@ -144,23 +144,12 @@ class Function:
         return same(self.invalid_observation), False
 
 
-def segments_of(mask: list[int]) -> list[tuple[int, int, int]]:
-    """(mask value, start, end) of every maximal run of the loss mask: model turns and observations."""
-    runs: list[tuple[int, int, int]] = []
-    for k, m in enumerate(mask):
-        if runs and runs[-1][0] == m:
-            runs[-1] = (m, runs[-1][1], k + 1)
-        else:
-            runs.append((m, k, k + 1))
-    return runs
-
-
 def check_episode(fn: Function, s, models: dict[int, object], seen: dict) -> None:
     """One trained sample: observations, stops, exact log-probs and versions per model turn."""
     prompt_len = len(s.tokens) - s.response_length
     response = s.tokens[prompt_len:]
     versions = [v for v, c in s.train_metadata[TOKEN_VERSIONS_KEY] for _ in range(c)]
-    segments = segments_of(s.loss_mask)
+    segments = mask_runs(s.loss_mask)
     full = {v: token_logprobs(models[v], s.tokens, s.response_length) for v in set(versions)}
     for turn, (keep, a, b) in enumerate(segments):
         text = fn.tokenizer.decode(response[a:b], skip_special_tokens=bool(keep))

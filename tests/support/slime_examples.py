@@ -115,3 +115,15 @@ class RetrievalStub:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join()
+
+
+def mask_runs(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(value, start, end) of every maximal run of equal loss-mask values: a multi-turn sample's model
+    turns (1) and the observations between them (0)."""
+    runs: list[tuple[int, int, int]] = []
+    for k, m in enumerate(mask):
+        if runs and runs[-1][0] == m:
+            runs[-1] = (m, runs[-1][1], k + 1)
+        else:
+            runs.append((m, k, k + 1))
+    return runs

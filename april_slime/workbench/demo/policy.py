@@ -23,7 +23,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, ClassVar, Sequence
 
 from april_slime.workbench.demo import task
 
@@ -38,8 +38,11 @@ BUILD_FORMAT = 1
 
 
 @dataclass(frozen=True)
-class PolicySpec:
-    num_digits: int = 5
+class WarmStartSpec:
+    """What every demo policy has: the tiny Qwen3's shape and its supervised warm start. A task's
+    spec adds its own fields, names those that must be >= 1 (``POSITIVE``) or lie in [0, 1]
+    (``PROBABILITIES``), and checks the rest in ``_check``."""
+
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -48,22 +51,39 @@ class PolicySpec:
     sft_steps: int = 300
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
-    label_noise: float = 0.2
-    ramble_prob: float = 0.3
-    ramble_mean: float = 12.0
-    max_response_len: int = 32
     seed: int = 0
 
+    POSITIVE: ClassVar[tuple[str, ...]] = ()
+    PROBABILITIES: ClassVar[tuple[str, ...]] = ()
+
     def __post_init__(self) -> None:
-        for name in ("num_digits", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "sft_batch_size", "ramble_mean"):
+        for name in (*self.POSITIVE, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "sft_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.sft_steps < 0:
             raise ValueError(f"sft_steps: must be >= 0, got {self.sft_steps}")
-        for name in ("label_noise", "ramble_prob"):
+        for name in self.PROBABILITIES:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}: must lie in [0, 1], got {getattr(self, name)}")
+        self._check()
+
+    def _check(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class PolicySpec(WarmStartSpec):
+    num_digits: int = 5
+    label_noise: float = 0.2
+    ramble_prob: float = 0.3
+    ramble_mean: float = 12.0
+    max_response_len: int = 32
+
+    POSITIVE: ClassVar[tuple[str, ...]] = ("num_digits", "ramble_mean")
+    PROBABILITIES: ClassVar[tuple[str, ...]] = ("label_noise", "ramble_prob")
+
+    def _check(self) -> None:
         if self.max_response_len < self.num_digits + 1:
             raise ValueError(f"max_response_len: must fit the answer and its stop ({self.num_digits + 1} "
                              f"tokens), got {self.max_response_len}")

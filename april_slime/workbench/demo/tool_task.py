@@ -34,9 +34,10 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from april_slime.workbench.demo import task
+from april_slime.workbench.demo.policy import WarmStartSpec, build_checkpoint
 
 TAGS = ["<calc>", "</calc>", "<result>", "</result>", "<answer>", "</answer>"]
 VOCAB = [str(d) for d in range(10)] + ["*", "="] + TAGS + [task.EOS, task.PAD]
@@ -52,33 +53,20 @@ BUILD_FORMAT = 1
 
 
 @dataclass(frozen=True)
-class ToolPolicySpec:
-    num_digits: int = 2  # of each factor
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    sft_steps: int = 300
+class ToolPolicySpec(WarmStartSpec):
     sft_batch_size: int = 32
     sft_lr: float = 5e-3
+    num_digits: int = 2  # of each factor
     skip_prob: float = 0.4
     copy_noise: float = 0.1
     ramble_prob: float = 0.3
     ramble_mean: float = 8.0
     max_response_len: int = 16  # per model call
-    seed: int = 0
 
-    def __post_init__(self) -> None:
-        for name in ("num_digits", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "sft_batch_size", "ramble_mean"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.sft_steps < 0:
-            raise ValueError(f"sft_steps: must be >= 0, got {self.sft_steps}")
-        for name in ("skip_prob", "copy_noise", "ramble_prob"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name}: must lie in [0, 1], got {getattr(self, name)}")
+    POSITIVE: ClassVar[tuple[str, ...]] = ("num_digits", "ramble_mean")
+    PROBABILITIES: ClassVar[tuple[str, ...]] = ("skip_prob", "copy_noise", "ramble_prob")
+
+    def _check(self) -> None:
         longest = 2 + 2 * self.num_digits + 1  # <calc>a*b</calc>
         if self.max_response_len < longest:
             raise ValueError(f"max_response_len: must fit a calculator call ({longest} tokens), got "
@@ -154,8 +142,6 @@ def demonstration(rng: random.Random, spec: ToolPolicySpec) -> tuple[str, list[t
 
 
 def build_policy(cache_dir: str | Path, spec: ToolPolicySpec, log: Callable[[str], None] = print) -> Path:
-    from april_slime.workbench.demo.policy import build_checkpoint
-
     return build_checkpoint(cache_dir, spec, build_tokenizer(), lambda rng: demonstration(rng, spec), log)
 
 
