@@ -63,6 +63,9 @@ def retrieval(examples):
 @pytest.fixture(scope="module")
 def tag_weights(real_stack, examples, retrieval, tmp_path_factory):
     """The warm-started weights (``A``) and their perturbed copy (``B``), built once."""
+    import torch
+
+    torch.set_num_threads(1)  # a second thread only contends with the engines on a loaded machine
     return tag_policy.build_tag_policies(tmp_path_factory.mktemp("tag-policy"), real_stack.tokenizer,
                                          examples[SEARCH], examples[RETOOL], log=print)
 
