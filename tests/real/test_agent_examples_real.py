@@ -165,6 +165,7 @@ def check_episode(fn: Function, s, models: dict[int, object], seen: dict) -> Non
             seen["tool_runs"] += real
             continue
         turn_versions = set(versions[a:b])
+        seen["model_turns"] += 1
         seen["mid_turn_resumes"] += len(turn_versions) > 1
         for stop in fn.stops:  # a stop string ends the turn, also one that spans a resumed call's segments
             at = text.find(stop)
@@ -194,8 +195,8 @@ def test_slime_example_function_on_real_engines(real_stack, examples, retrieval,
     job = dict(settings=settings, batch=2, n=2, max_len=PER_CALL, extra_argv=fn.argv(),
                hf_checkpoint=str(tag_weights[0]))
     queries_before = len(retrieval.queries)
-    seen = {"steps": 0, "tool_runs": 0, "mid_turn_resumes": 0, "resumed_turns_stopped": 0, "retokenized_turns": 0,
-            "restarted": 0, "resumed_calls": 0, "suspended_calls": 0}
+    seen = {"steps": 0, "model_turns": 0, "tool_runs": 0, "mid_turn_resumes": 0, "resumed_turns_stopped": 0,
+            "retokenized_turns": 0, "restarted": 0, "resumed_calls": 0, "suspended_calls": 0}
     trained: list[int] = []
     indices: set[int] = set()
     m = SlimeRolloutManager(plugin_args(real_stack, tmp_path / "job", **job))
