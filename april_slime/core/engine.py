@@ -32,6 +32,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable
 
+from april_slime.core.replay import NO_REPLAY, ReplaySpec
 from april_slime.core.sglang_protocol import (
     EngineError,
     EngineLoad,
@@ -39,6 +40,7 @@ from april_slime.core.sglang_protocol import (
     EngineUnavailable,
     GenerateResult,
     RequestRejected,
+    ask_for_replay,
     check_token_ids,
     normalise_url,
     parse_generate_reply,
@@ -170,6 +172,7 @@ class EngineClient:
         max_retries: int = 3,
         retry_backoff_s: float = 1.0,
         vocab_size: int | None = None,
+        replay: ReplaySpec = NO_REPLAY,
     ) -> None:
         if not engine_urls:
             raise EngineError("no engine urls given")
@@ -191,6 +194,7 @@ class EngineClient:
         self.retry_backoff_s = retry_backoff_s
         # token ids sent and received must lie below it; None (unknown) checks only ids >= 0
         self.vocab_size = vocab_size
+        self.replay = replay  # what every generate asks for beyond tokens (core.replay)
         self.stats: dict[str, EngineStats] = {url: EngineStats() for url in self.engine_urls}
 
     @classmethod
@@ -294,6 +298,7 @@ class EngineClient:
         rid: str,
         sampling_params: dict,
         sampling_seed: int,
+        replay_rows: int = 0,
     ) -> GenerateResult:
         """One generate call. The reply is validated; an aborted reply with partial (or zero)
         tokens is a normal result with ``finish_reason == "abort"``.
@@ -306,6 +311,8 @@ class EngineClient:
         exactly these input ids. It does not guarantee the same sample: SGLang ignores
         ``sampling_seed`` unless the server runs with deterministic inference, so a retried call
         draws a fresh continuation (equally valid, from the same policy; greedy decoding repeats).
+
+        ``replay_rows``: routed experts held from earlier segments (``sglang_protocol.ask_for_replay``).
         """
         engine_url = normalise_url(engine_url)
         if max_new_tokens < 1:
@@ -326,6 +333,7 @@ class EngineClient:
             "return_logprob": True,
             "rid": rid,
         }
+        ask_for_replay(payload, self.replay, replay_rows)
 
         # A timed-out generate may still be running on the engine: the client only stopped
         # waiting. Retrying straight away would have the engine generate the same sample twice at
@@ -360,7 +368,8 @@ class EngineClient:
             engine_url,
             lambda: parse_generate_reply(
                 reply, engine_url=engine_url, rid=rid, max_new_tokens=max_new_tokens,
-                vocab_size=self.vocab_size,
+                vocab_size=self.vocab_size, replay=self.replay, input_len=len(input_ids),
+                routed_start=replay_rows,
             ),
         )
         self._stats(engine_url).retractions_in_replies += result.retractions
