@@ -31,6 +31,7 @@ import dataclasses
 import importlib
 import logging
 import threading
+import uuid
 from collections import Counter
 from typing import Any
 
@@ -163,7 +164,8 @@ class _Runtime:
         await self._start_episodes()
         fresh = await EngineClient.from_router(
             self.router_url, timeout_s=self.config.request_timeout_s, max_retries=self.config.max_retries,
-            retry_backoff_s=self.config.retry_backoff_s, vocab_size=_vocab_size(self.codec))
+            retry_backoff_s=self.config.retry_backoff_s, vocab_size=_vocab_size(self.codec),
+            replay=self.codec.replay)
         if self.client is not None and fresh.engine_urls == self.client.engine_urls:
             await fresh.close()
             return
@@ -172,6 +174,24 @@ class _Runtime:
             await self.client.close()
         self.client = _PolicyVersionClient(fresh, self.version_offset or 0)
         self.scheduler = self._build_scheduler()
+        await self._check_replay_support()
+
+    async def _check_replay_support(self) -> None:
+        """A job that replays routed experts or top-p kept ids needs engines that return them: one
+        one-token call per set of engines says so before any work, instead of a failed call per
+        request. An engine that cannot stops the job with one line naming the key."""
+        spec = self.codec.replay
+        if not spec.active:
+            return
+        from april_slime.core.sglang_protocol import EngineReplyError
+
+        url = self.client.engine_urls[0]
+        try:
+            await self.client.generate(url, [0], max_new_tokens=1, rid=f"april-replay-check-{uuid.uuid4().hex}",
+                                       sampling_params=sampling_params(self.args), sampling_seed=0)
+        except EngineReplyError as e:
+            key = "use_rollout_routing_replay" if "routed_experts" in str(e) else "rollout_top_p"
+            raise AprilConfigError(f"{key}: the rollout engines do not return what training replays: {e}") from None
 
     def _build_scheduler(self):
         from april_slime.core.scheduler import RolloutScheduler
@@ -366,6 +386,8 @@ def sampling_params(args: Any) -> dict[str, Any]:
         "no_stop_trim": True,
         "spaces_between_special_tokens": False,
     }
+    if params["top_p"] != 1.0:  # slime's top-p token replay (its SGLang patch reads this)
+        params["custom_params"] = {"return_top_p_token_ids": True}
     return {k: v for k, v in params.items() if v is not None}
 
 
