@@ -266,6 +266,10 @@ class SampleCodec:
         return self._with_plugin_fields(s, group, t, current_version)
 
     def _episode_sample(self, group: Group, t: Trajectory, current_version: int | None) -> Any:
+        if self.replay.routed:  # a prompt's own Sample.generate_function_path (the job's is refused at start)
+            raise RuntimeError(f"sample {t.uid}: use_rollout_routing_replay is not supported for multi-turn "
+                               "episodes (its generate_function_path): its routed experts would have to be "
+                               "stitched across its model calls")
         s = self.slime.Sample.from_dict(copy.deepcopy(t.episode_sample))
         s.group_index = group.payload["group_index"]
         s.index = group.payload["indices"][t.index_in_group]

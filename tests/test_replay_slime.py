@@ -67,10 +67,13 @@ def check_replayed(sample, vocab_size: int) -> bool:
     return len(set(versions)) > 1
 
 
-def run_steps(args, source, cluster, first: int, steps: int) -> int:
-    """Steps with a weight push after each; returns how many samples spanned several versions."""
+def run_steps(args, source, cluster, first: int, steps: int, most: int = 12) -> int:
+    """``steps`` steps with a weight push after each, and more (``most`` in all) until a trained
+    sample spans several versions; returns how many did."""
     spanning = 0
-    for rollout_id in range(first, first + steps):
+    for rollout_id in range(first, first + most):
+        if rollout_id >= first + steps and spanning:
+            break
         output = rollout.generate_rollout(args, rollout_id, source)
         spanning += sum(check_replayed(s, cluster.vocab_size) for g in output.samples for s in g)
         cluster.bump(rollout_id + 2)
@@ -79,10 +82,12 @@ def run_steps(args, source, cluster, first: int, steps: int) -> int:
 
 @pytest.mark.parametrize("policy", ["copris", "april"])
 def test_every_position_is_replayed_from_the_segment_that_generated_it(moe_cluster, tmp_path, prompts, policy):
+    # twice the batch in flight (copris), three times the batch submitted (april): partials at every target
     args = point_at(make_args(tmp_path, prompts, april_policy=policy, april_over_sampling_factor=3.0,
-                              rollout_top_p=0.9, **MOE), moe_cluster)
+                              april_concurrency=24 if policy == "copris" else None, rollout_top_p=0.9, **MOE),
+                    moe_cluster)
     source = rollout.AprilDataSource(args)
-    spanning = run_steps(args, source, moe_cluster, 0, 4)
+    spanning = run_steps(args, source, moe_cluster, 0, 3)
     assert spanning > 0, "no trained sample was resumed under new weights; the test needs one"
 
 
@@ -105,7 +110,7 @@ def test_replay_data_survives_a_restart(moe_cluster, tmp_path, prompts):
             if t.response_ids}
     assert kept == {t.uid: bytes(t.replay.routed) for t in partial}
     # completed surplus groups go first; the partials are resumed (under version 2) after them
-    assert run_steps(restarted, source2, moe_cluster, 1, 3) > 0
+    assert run_steps(restarted, source2, moe_cluster, 1, 2) > 0
 
 
 def test_a_checkpoint_without_replay_restarts_its_partials(moe_cluster, tmp_path, prompts):

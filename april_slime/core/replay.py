@@ -19,10 +19,12 @@ weight update has flushed its prefix cache they are recomputed under the new wei
 the routing that generated those tokens. Top-p sets are per response token and simply concatenate.
 A count that does not add up raises ``ValueError`` naming both sides; nothing is half-applied.
 
-**Storage.** Raw little-endian int32 bytes (rows x layers x topk x 4 for the experts), base64 in
-checkpoints: a Python list of ints would take about nine times the memory. Top-p sets are kept as
-kept ids plus one count per token (concatenation and truncation need no offset arithmetic); slime's
-offsets are their prefix sums.
+**Storage.** Raw little-endian int32 bytes (rows x layers x topk x 4 for the experts): a Python
+list of ints would take about nine times the memory. ``to_dict`` hands out immutable ``bytes``
+copies, so a buffer snapshot (taken every step) costs a memory copy; the checkpoint writer turns
+them into base64 only when it saves (``core.checkpoint``), and ``from_dict`` reads either. Top-p
+sets are kept as kept ids plus one count per token (concatenation and truncation need no offset
+arithmetic); slime's offsets are their prefix sums.
 """
 
 from __future__ import annotations
@@ -101,12 +103,19 @@ def decode_int32(value: Any, what: str) -> bytes:
     raise ValueError(f"{what} is neither base64 nor a list of integers: {type(value).__name__}")
 
 
-def _b64(raw: bytes | bytearray | None) -> str | None:
-    return None if raw is None else base64.b64encode(bytes(raw)).decode("ascii")
+def _copy(raw: bytes | bytearray | None) -> bytes | None:
+    return None if raw is None else bytes(raw)
 
 
-def _unb64(text: str | None, what: str) -> bytearray | None:
-    return None if text is None else bytearray(decode_int32(text, what))
+def _read(value: str | bytes | None, what: str) -> bytearray | None:
+    """A saved int32 array: ``bytes`` (an in-memory state) or base64 (a checkpoint file)."""
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        if len(value) % INT32:
+            raise ValueError(f"{what} holds {len(value)} bytes, not whole int32 values")
+        return bytearray(value)
+    return bytearray(decode_int32(value, what))
 
 
 # ---------------------------------------------------------------- one reply, one trajectory
@@ -215,15 +224,16 @@ class TokenReplay:
         return offsets
 
     def to_dict(self) -> dict[str, Any]:
-        return {"routed_width": self.routed_width, "routed": _b64(self.routed),
-                "top_p_ids": _b64(self.top_p_ids), "top_p_counts": _b64(self.top_p_counts)}
+        """Plain data but for the arrays, which are ``bytes`` (see the module docstring)."""
+        return {"routed_width": self.routed_width, "routed": _copy(self.routed),
+                "top_p_ids": _copy(self.top_p_ids), "top_p_counts": _copy(self.top_p_counts)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TokenReplay":
         replay = cls(routed_width=int(d.get("routed_width", 0)),
-                     routed=_unb64(d.get("routed"), "replay.routed"),
-                     top_p_ids=_unb64(d.get("top_p_ids"), "replay.top_p_ids"),
-                     top_p_counts=_unb64(d.get("top_p_counts"), "replay.top_p_counts"))
+                     routed=_read(d.get("routed"), "replay.routed"),
+                     top_p_ids=_read(d.get("top_p_ids"), "replay.top_p_ids"),
+                     top_p_counts=_read(d.get("top_p_counts"), "replay.top_p_counts"))
         if replay.routed is not None and (not replay.routed_width
                                           or len(replay.routed) % (INT32 * replay.routed_width)):
             raise ValueError(f"replay.routed: {len(replay.routed)} bytes are not rows of "

@@ -9,8 +9,10 @@ workaround in ``scripts/real-stack/sglang_cpu_site`` reaches its scheduler proce
   trained sample must hold the experts transformers' router picks there under the weights of the
   version that generated the next token, and slime's own conversion to train data must accept them.
 * top-p: SGLang 0.5.23 does not return the top-p kept ids slime's trainer replays (its top-p patch
-  is not upstream), and its log-probs are those of the whole distribution, not of the nucleus; the
-  job stops at its first step with one line saying so, before any request is made.
+  is not upstream), and its log-probs are those of the whole distribution, not of the nucleus.
+  slime's own rollout generates a whole step and then fails in its conversion to train data (an
+  assertion on ``rollout_top_p_token_ids``); the plugin's job stops at its first step with one line
+  saying so, before any prompt is taken.
 """
 
 from __future__ import annotations
@@ -153,7 +155,18 @@ def test_sglang_returns_no_top_p_kept_ids_and_the_job_stops_at_its_first_step(mo
     mass = torch.where(sorted_p.cumsum(-1) - sorted_p <= 0.5, sorted_p, 0.0).sum(-1)
     assert float((-mass.log()).min()) > 0.1, "the nucleus renormalisation would not show here"
 
-    args = plugin_args(moe_stack, tmp_path, settings={"april_policy": "copris"},
+    # slime's own rollout on this engine generates a whole step, then its train-data conversion fails
+    own = SlimeRolloutManager(plugin_args(moe_stack, tmp_path / "slime", extra_argv=[
+        "--rollout-function-path", "slime.rollout.sglang_rollout.generate_rollout",
+        "--data-source-path", "slime.rollout.data_source.RolloutDataSourceWithBuffer", "--rollout-top-p", "0.9"]))
+    try:
+        with pytest.raises(AssertionError):
+            own.generate(0)
+    finally:
+        moe_stack.wait_idle()
+    assert own.data_source.sample_group_index > 0  # the step's prompts were used up
+
+    args = plugin_args(moe_stack, tmp_path / "ours", settings={"april_policy": "copris"},
                        extra_argv=["--rollout-top-p", "0.9"])
     m = SlimeRolloutManager(args)
     try:
