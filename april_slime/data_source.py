@@ -18,7 +18,7 @@ from april_slime.core.buffer import PartialBuffer
 from april_slime.core.config import AprilConfig, AprilConfigError
 from april_slime.core.types import Group
 from april_slime.generate_functions import load_generate_function
-from april_slime.samples import SampleCodec, Slime, replay_spec
+from april_slime.samples import SampleCodec, Slime, leaves, replay_spec
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class AprilDataSource:
         out = []
         for group in groups:
             samples = self._codec.samples(group, None)
-            for s in samples:
+            for s in leaves(samples):
                 # another rollout function extends these responses, so versions recorded here would
                 # no longer cover them; ``weight_versions`` still says which policies generated them
                 s.train_metadata = None

@@ -42,7 +42,7 @@ from april_slime.core.keys import METRIC_PREFIX
 from april_slime.core.types import Group
 from april_slime.data_source import AprilDataSource, load_config
 from april_slime.generate_functions import GenerateFunctions
-from april_slime.samples import SampleCodec, slime_attr
+from april_slime.samples import SampleCodec, leaves, one_shape, slime_attr
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class _Runtime:
         # the engines out of dispatch are asked only when none in dispatch answers: one of them may
         # be back, and the step's own probes readmit it (else one dead engine would end the job)
         others = [u for u in self.client.engine_urls if u not in usable]
-        raw, replies = [], []
+        raw, errors = [], []
         for urls in (usable, others):
             replies = await asyncio.gather(*(self.client.client.weight_version(u) for u in urls),
                                            return_exceptions=True)
@@ -232,11 +232,13 @@ class _Runtime:
                 if isinstance(r, BaseException):
                     if not isinstance(r, Exception):
                         raise r
+                    errors.append(r)
                     logger.warning("engine %s did not report its weight version: %s", url, r)
             if raw:
                 break
         if not raw:
-            raise next(r for r in replies if isinstance(r, BaseException))
+            # every engine is asked in one of the two rounds (the second may be empty), so one failed
+            raise errors[0]
         if len(set(raw)) > 1:
             logger.warning("rollout engines report different weight versions %s; using the newest", raw)
         newest = max(raw)
@@ -259,27 +261,38 @@ class _Runtime:
         return [await self._hooked(s) for s in self.codec.samples(group, self.current_version)]
 
     async def _reward_group(self, group: Group) -> None:
-        """slime's reward path (``async_rm`` per sample, ``batched_async_rm`` with --group-rm);
-        a reward already set (kept through ``add_samples``) is not recomputed, as in slime."""
-        samples = await self._samples(group)
+        """slime's reward path (``async_rm`` per sample, ``batched_async_rm`` with --group-rm over
+        every sample of the group); a reward already set (kept through ``add_samples``, or set by a
+        generate function) is not recomputed, as in slime. An episode that returned list[Sample]
+        gets the list of its samples' rewards."""
+        entries = await self._samples(group)
         args = self.args
-        if getattr(args, "group_rm", False):
-            rewards = await self.slime.batched_async_rm(args, samples)
-            pairs = list(zip(group.trajectories, rewards, strict=True))
+        # (trajectory, its samples, which of them need a reward)
+        shapes = [(t, e if isinstance(e, list) else [e]) for t, e in zip(group.trajectories, entries)]
+        group_rm = getattr(args, "group_rm", False)
+        todo = [(t, n, s) for t, samples in shapes for n, s in enumerate(samples)
+                if group_rm or (t.reward is None and (t.episode_samples is None or s.reward is None))]
+        if group_rm:
+            rewards = await self.slime.batched_async_rm(args, [s for _, _, s in todo])
         else:
-            todo = [(t, s) for t, s in zip(group.trajectories, samples) if t.reward is None]
-            rewards = await asyncio.gather(*(self.slime.async_rm(args, s) for _, s in todo))
-            pairs = [(t, r) for (t, _), r in zip(todo, rewards)]
-        for t, reward in pairs:
+            rewards = await asyncio.gather(*(self.slime.async_rm(args, s) for _, _, s in todo))
+        new = {}
+        for (t, n, _), reward in zip(todo, rewards, strict=True):
             if reward is None:
                 raise ValueError(f"reward function returned None for sample {t.uid}")
-            t.reward = reward
+            new[(t.uid, n)] = reward
+        for t, samples in shapes:
+            if t.episode_samples is None:
+                if (t.uid, 0) in new:
+                    t.reward = new[(t.uid, 0)]
+            elif t.reward is None or group_rm:
+                t.reward = [new.get((t.uid, n), s.reward) for n, s in enumerate(samples)]
 
     def _keep_group(self, group: Group) -> bool:
         """slime's dynamic sampling filter, ``f(args, samples) -> DynamicFilterOutput | bool``.
         ``keep_when_insufficient`` has no effect: the scheduler keeps generating until the batch is
         full, so dropping a group never leaves the batch short."""
-        samples = self.codec.samples(group, self.current_version)
+        samples = leaves(self.codec.samples(group, self.current_version))
         output = self.slime.call_dynamic_filter(self.filter_fn, self.args, samples)
         if not output.keep and output.reason:
             self.filter_drops[output.reason] += 1
@@ -302,7 +315,8 @@ class _Runtime:
             if not group.complete:
                 raise RuntimeError(f"rollout {rollout_id}: group {group.uid} returned incomplete")
             groups.append([await self._hooked(s) for s in self.codec.samples(group, version)])
-        groups.sort(key=lambda g: g[0].index)
+        groups.sort(key=lambda g: leaves(g)[0].index)
+        groups = one_shape(groups)
         metrics = dict(result.metrics)
         metrics.update({f"rollout/dynamic_filter/drop_{r}": c for r, c in self.filter_drops.items()})
         metrics[METRIC_PREFIX + "policy_version"] = version

@@ -54,7 +54,7 @@ EXAMPLE_MODULES = ("generate_with_search", "qa_em_format", "local_search_server"
 MAX_RESPONSE_LEN = 24  # per model call: the functions pass rollout_max_response_len on as max_new_tokens
 RETOOL_MAX_TURNS = 3
 DECODED_CHARS = set("0123456789 ")  # what the toy tokenizer decodes any token ids to
-STEPS, MAX_STEPS = 3, 6  # steps run; more (bounded) only if no call was aborted and resumed in the first ones
+STEPS, MAX_STEPS = 3, 12  # steps run; more (bounded) only if no call was aborted and resumed in the first ones
 
 
 @pytest.fixture(scope="module")

@@ -62,6 +62,11 @@ class Trajectory:
     # the finished sample as its codec keeps it (JSON-safe)
     loss_mask: list[int] | None = None
     episode_sample: dict | None = None
+    # an episode whose function returned list[Sample] (slime's compact shape): each sample as its codec
+    # keeps it, with its own per-token versions and calls ({"sample", "version_runs", "call_versions",
+    # "num_calls", "num_aborts"}); the member's own fields then hold every model token of the
+    # episode, and ``reward`` is the list of the samples' rewards
+    episode_samples: list[dict] | None = None
     # a model call of an episode: its own sampling parameters (None: the step's)
     sampling_params: dict | None = None
     # an unfinished episode: the oldest policy version of the tokens its calls hold (not saved)
@@ -168,6 +173,7 @@ class Trajectory:
         self.status, self.finish_reason = TrajectoryStatus.PENDING, None
         self.reward = None
         self.loss_mask, self.episode_sample, self.episode_oldest_version = None, None, None
+        self.episode_samples = None
         self.replay = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -190,6 +196,7 @@ class Trajectory:
             "rejected_calls": self.rejected_calls,
             "loss_mask": None if self.loss_mask is None else list(self.loss_mask),
             "episode_sample": self.episode_sample,
+            "episode_samples": self.episode_samples,
             "sampling_params": self.sampling_params,
             "replay": None if self.replay is None else self.replay.to_dict(),
         }
