@@ -162,3 +162,38 @@ def test_slime_groups_handed_back_keep_their_replay(moe_cluster, tmp_path, promp
     out = next(g for g in source.get_samples(len(source.buffer)) if g[0].group_index == group[0].group_index)
     assert out[0].rollout_routed_experts.tolist() == group[0].rollout_routed_experts.tolist()
     assert out[0].rollout_top_p_token_offsets.tolist() == group[0].rollout_top_p_token_offsets.tolist()
+
+
+@pytest.mark.parametrize("function", ["multi_turn", "fan_out"])
+def test_episodes_carry_the_top_p_kept_ids_of_their_calls(moe_cluster, tmp_path, prompts, function):
+    """Multi-turn episodes under copris with --rollout-top-p 0.9: one sample per episode, or slime's
+    compact shape (a list of samples, one per turn; ``agent_functions.fan_out``). Every model token
+    of every trained sample has its call's kept ids (the emulated engine keeps the sampled token
+    first), stitched over the call's segments; a tool's tokens have none, as slime pads them."""
+    from tests.support import agent_functions as af
+
+    af.reset()
+    args = point_at(make_args(tmp_path, prompts, april_policy="copris", april_concurrency=12, rollout_top_p=0.9,
+                              custom_generate_function_path=f"tests.support.agent_functions.{function}"),
+                    moe_cluster)
+    source = rollout.AprilDataSource(args)
+    checked = resumed = 0
+    try:
+        for step in range(8):
+            output = rollout.generate_rollout(args, step, source)
+            moe_cluster.bump(step + 2)
+            flat = [s for g in output.samples for m in g for s in (m if isinstance(m, list) else [m])]
+            for s in flat:
+                offsets, ids = s.rollout_top_p_token_offsets.tolist(), s.rollout_top_p_token_ids.tolist()
+                assert len(offsets) == s.response_length + 1 and offsets[-1] == len(ids)
+                response = s.tokens[len(s.tokens) - s.response_length:]
+                for k, (m, token) in enumerate(zip(s.loss_mask, response)):
+                    kept = ids[offsets[k]:offsets[k + 1]]
+                    assert (kept[:1] == [token]) if m else kept == [], f"token {k} (mask {m}): kept {kept}"
+                checked += 1
+            resumed += output.metrics["april/episodes/resumed_calls"]
+            if step >= 2 and resumed:
+                break
+    finally:
+        af.reset()
+    assert checked and resumed, "no episode's call was resumed across a step"
