@@ -36,6 +36,7 @@ from collections import Counter
 from typing import Any
 
 from april_slime.core.config import AprilConfigError
+from april_slime.core.dispatch import DeploymentHints, router_dropped_fields
 from april_slime.core.episodes import EpisodeRunner
 from april_slime.core.front import EpisodeFront
 from april_slime.core.keys import METRIC_PREFIX
@@ -163,20 +164,30 @@ class _Runtime:
 
         await self._start_episodes()
         fresh = await EngineClient.from_router(
-            self.router_url, timeout_s=self.config.request_timeout_s, max_retries=self.config.max_retries,
+            self.router_url, dispatch=self.config.dispatch, hints=deployment_hints(self.args),
+            timeout_s=self.config.request_timeout_s, max_retries=self.config.max_retries,
             retry_backoff_s=self.config.retry_backoff_s, vocab_size=_vocab_size(self.codec),
             replay=self.codec.replay)
-        if self.client is not None and fresh.engine_urls == self.client.engine_urls:
+        if self.client is not None and fresh.dispatch == self.client.dispatch:
             await fresh.close()
             return
+        try:
+            check_router_fields(fresh.dispatch, self.args)
+            await self._check_replay_support(fresh)
+        except BaseException:
+            await fresh.close()
+            raise
+        if self.client is None or fresh.dispatch.mode != self.client.dispatch.mode:
+            logger.info("april_slime: %s", fresh.dispatch.describe())
+            for note in fresh.dispatch.notes:
+                logger.info("april_slime: %s", note)
         if self.client is not None:
-            logger.info("rollout engines changed: %s -> %s", self.client.engine_urls, fresh.engine_urls)
+            logger.info("rollout engines changed: %s -> %s", self.client.worker_urls, fresh.worker_urls)
             await self.client.close()
         self.client = _PolicyVersionClient(fresh, self.version_offset or 0)
         self.scheduler = self._build_scheduler()
-        await self._check_replay_support()
 
-    async def _check_replay_support(self) -> None:
+    async def _check_replay_support(self, client: Any) -> None:
         """A job that replays routed experts or top-p kept ids needs engines that return them: one
         one-token call per set of engines says so before any work, instead of a failed call per
         request. An engine that cannot stops the job with one line naming the key."""
@@ -185,10 +196,10 @@ class _Runtime:
             return
         from april_slime.core.sglang_protocol import EngineReplyError
 
-        url = self.client.engine_urls[0]
+        url = client.engine_urls[0]
         try:
-            await self.client.generate(url, [0], max_new_tokens=1, rid=f"april-replay-check-{uuid.uuid4().hex}",
-                                       sampling_params=sampling_params(self.args), sampling_seed=0)
+            await client.generate(url, [0], max_new_tokens=1, rid=f"april-replay-check-{uuid.uuid4().hex}",
+                                  sampling_params=sampling_params(self.args), sampling_seed=0)
         except EngineReplyError as e:
             key = "use_rollout_routing_replay" if "routed_experts" in str(e) else "rollout_top_p"
             raise AprilConfigError(f"{key}: the rollout engines do not return what training replays: {e}") from None
@@ -385,6 +396,30 @@ def _eos_token_ids(codec: SampleCodec) -> list[int]:
         eos = None
     ids += [eos] if isinstance(eos, int) else [t for t in (eos or []) if isinstance(t, int)]
     return sorted(set(ids))
+
+
+def deployment_hints(args: Any) -> DeploymentHints:
+    """What slime's own arguments say about its router: PD disaggregation (``--prefill-num-servers``,
+    the router's ``--router-pd-disaggregation``), a DP-aware router, the router's policy."""
+    return DeploymentHints(
+        pd_disaggregation=getattr(args, "prefill_num_servers", None) is not None
+        or bool(getattr(args, "router_pd_disaggregation", False)),
+        dp_aware_router=bool(getattr(args, "router_dp_aware", False)),
+        router_policy=getattr(args, "router_policy", None))
+
+
+def check_router_fields(dispatch: Any, args: Any) -> None:
+    """Before the first call: a job whose requests carry a field the router drops cannot run with
+    router dispatch (its replies would silently lack what the field asks for)."""
+    if dispatch.mode != "router":
+        return
+    probe = {"sampling_params": sampling_params(args),
+             "return_routed_experts": bool(getattr(args, "use_rollout_routing_replay", False))}
+    dropped = router_dropped_fields(probe)
+    if dropped:
+        raise AprilConfigError(f"april_dispatch: {dispatch.describe()}, but the router drops {', '.join(dropped)}, "
+                               "which this job's requests need; run the engines without the router's help "
+                               "(april_dispatch: direct, regular workers)")
 
 
 def sampling_params(args: Any) -> dict[str, Any]:

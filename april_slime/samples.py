@@ -27,6 +27,7 @@ from april_slime.core.config import AprilConfig, AprilConfigError
 from april_slime.core.keys import POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
 from april_slime.core.replay import INT32, ReplaySpec, TokenReplay, int32_bytes
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
+from april_slime.slime_compat import data_source_module
 
 _STATUS_TO_SLIME = {
     TrajectoryStatus.PENDING: "PENDING",
@@ -47,8 +48,8 @@ class Slime:
             self.Sample = slime_attr("slime.utils.types", "Sample")
             self.load_tokenizer = slime_attr("slime.utils.processing_utils", "load_tokenizer")
             self.load_function = slime_attr("slime.utils.misc", "load_function")
-            self.run = slime_attr("slime.utils.async_utils", "run")
-            self.RolloutDataSource = slime_attr("slime.rollout.data_source", "RolloutDataSource")
+            # moved to slime.data.data_source in slime 0.4.0 (april_slime.slime_compat)
+            self.RolloutDataSource = slime_attr(data_source_module(), "RolloutDataSource")
             self.async_rm = slime_attr("slime.rollout.rm_hub", "async_rm")
             self.batched_async_rm = slime_attr("slime.rollout.rm_hub", "batched_async_rm")
             self.call_dynamic_filter = slime_attr("slime.rollout.filter_hub.base_types", "call_dynamic_filter")

@@ -33,9 +33,7 @@ def prompts(tmp_path):
 
 @pytest.fixture
 def moe_cluster(slime_mode):
-    # in real time: a request lasts long enough that a starved test process still finds requests running
-    # (with tokens) at a step's target, and partials are carried across the weight push
-    c = Cluster(replay=REPLAY, time_scale=1.0)
+    c = Cluster(replay=REPLAY)
     c.vocab_size = c.emulator.model.vocab_size
     c.bump(1)
     yield c

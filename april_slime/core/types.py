@@ -103,7 +103,8 @@ class Trajectory:
         stages left (``TokenReplay.extend``). Nothing is appended when any of it is inconsistent."""
         if len(output_ids) != len(logprobs):
             raise ValueError(f"{self.uid}: {len(output_ids)} tokens but {len(logprobs)} log-probs")
-        if not all(math.isfinite(lp) for lp in logprobs):
+        # a sum is finite if every term is (one C pass); only a sum that is not looks at each term
+        if not math.isfinite(sum(logprobs)) and not all(math.isfinite(lp) for lp in logprobs):
             raise ValueError(f"{self.uid}: non-finite log-prob in engine output")
         if version_runs is None:
             version_runs = [[version, len(output_ids)]] if output_ids else []

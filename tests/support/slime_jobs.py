@@ -67,19 +67,21 @@ def loop_run(coro):
 class Cluster:
     """Emulated SGLang engines + router over loopback HTTP, started on slime's persistent loop."""
 
-    def __init__(self, num_engines: int = 2, seed: int = 7, length=None, replay=None, time_scale: float = 20.0):
+    def __init__(self, num_engines: int = 2, seed: int = 7, length=None, replay=None):
         from april_slime.workbench.emulator.cluster import EmulatorCluster
         from april_slime.workbench.emulator.config import EngineConfig
         from april_slime.workbench.emulator.model import LengthModel, SyntheticLM
 
-        # short, long-tailed responses (some run to the budget), emulated ``time_scale`` (20) times faster
-        # than real time; ``length`` (a ``LengthModel``) replaces that response-length model
+        # short, long-tailed responses (some run to the budget), emulated 20x faster than real time;
+        # ``length`` (a ``LengthModel``) replaces that response-length model
         if length is None:
             length = LengthModel(median_tokens=24.0, prompt_sigma=0.6, truncation_fraction=0.1)
         model = SyntheticLM(seed=seed, length=length)
+        # a starved test process pauses the engines with it (max_lag_s), so a loaded machine does not
+        # turn the time it lost into a burst of finished requests that leaves no partial to resume;
         # ``replay`` (an ``EmulatedReplay``): engines that return routed experts / top-p kept ids
-        self.emulator = EmulatorCluster(num_engines, model=model, engine_config=EngineConfig(time_scale=time_scale),
-                                        replay=replay)
+        self.emulator = EmulatorCluster(num_engines, model=model,
+                                        engine_config=EngineConfig(time_scale=20.0, max_lag_s=0.25), replay=replay)
 
         async def start():
             await self.emulator.start()

@@ -62,6 +62,7 @@ class EmulatedReplay:
 
     def annotate(self, meta: dict, payload: Any, output_ids: Sequence[int], vocab_size: int) -> None:
         """Add what ``payload`` asked for to a reply's ``meta_info`` (no tokens: nothing, as SGLang)."""
+        output_ids = [int(t) for t in output_ids]  # a list, or the engine's numpy array
         if not isinstance(payload, dict) or not output_ids:
             return
         input_ids = list(payload.get("input_ids") or [])
