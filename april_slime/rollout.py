@@ -40,6 +40,7 @@ from april_slime.core.dispatch import DeploymentHints, router_dropped_fields
 from april_slime.core.episodes import EpisodeRunner
 from april_slime.core.front import EpisodeFront
 from april_slime.core.keys import METRIC_PREFIX
+from april_slime.core.sglang_protocol import EngineError
 from april_slime.core.types import Group
 from april_slime.data_source import AprilDataSource, load_config
 from april_slime.generate_functions import GenerateFunctions
@@ -243,13 +244,14 @@ class _Runtime:
                 if isinstance(r, BaseException):
                     if not isinstance(r, Exception):
                         raise r
-                    errors.append(r)
                     logger.warning("engine %s did not report its weight version: %s", url, r)
+                    errors.append(r)
             if raw:
                 break
         if not raw:
-            # every engine is asked in one of the two rounds (the second may be empty), so one failed
-            raise errors[0]
+            # every engine was asked (in dispatch or not) and none answered: the step cannot start;
+            # the last engine's own error says why (a caller retries the step on EngineError)
+            raise errors[-1] if errors else EngineError("no rollout engine to ask for its weight version")
         if len(set(raw)) > 1:
             logger.warning("rollout engines report different weight versions %s; using the newest", raw)
         newest = max(raw)

@@ -262,6 +262,17 @@ MUTATIONS: list[Mutation] = [
         ),),
         tests=("tests/test_slime_compat.py",),
     ),
+    Mutation(
+        name="episode-tokens-take-first-version",
+        what="an episode's returned sample gives every model token the version of its first served token",
+        edits=(Edit(
+            "april_slime/generate_functions.py",
+            "            last = next(by_token)\n",
+            "            last = trainable_versions[0]\n",
+        ),),
+        tests=("tests/test_episodes.py", "tests/test_generate_functions.py", "tests/real/test_episodes_real.py",
+               "tests/real/test_agent_examples_real.py"),
+    ),
     *_slime_patch_mutations(),
 ]
 

@@ -101,15 +101,22 @@ async def test_replies_and_control_paths_of_0515(old_stack):
 @pytest.mark.parametrize("dispatch", ["direct"])
 def test_rollout_contract_and_fallback_versions_on_0515(old_stack, hf_models, tmp_path, dispatch):
     v0 = old_stack.weight_version()
-    weights_of = {v0: "A", v0 + 1: "B", v0 + 2: "A"}
-    batch, n, max_len = 4, 2, 160
+    # three steps at least, weights B and A pushed in turn; a fast engine can end every request of
+    # a step before its target aborts one with tokens, so steps go on (at most eight) until a
+    # sample was resumed across a weight push
+    weights_of = {v0 + k: "AB"[k % 2] for k in range(8)}
+    batch, n, max_len = 4, 2, 200
     m = SlimeRolloutManager(plugin_args(old_stack, tmp_path, settings={
         "april_policy": "copris", "april_concurrency": 16, "april_dispatch": dispatch},
         batch=batch, n=n, max_len=max_len))
     seen, mixed = set(), 0
+    old_stack.wait_idle()
     try:
         for step, version in enumerate(weights_of):
+            if step >= 3 and mixed:
+                break
             if version != v0:
+                old_stack.wait_idle()  # SGLang refuses to flush its cache while a request is on the engine
                 old_stack.push_weights(old_stack.other_model_path if weights_of[version] == "B"
                                        else old_stack.model_path, version)
             samples, metrics, train = m.generate(step)
@@ -132,7 +139,8 @@ def test_rollout_contract_and_fallback_versions_on_0515(old_stack, hf_models, tm
         rollout.shutdown()
         old_stack.wait_idle()
         old_stack.restore_weights()
-    assert mixed > 0, "no sample was resumed across a weight push; the abort-and-resume path did not run"
+    assert mixed > 0, f"no sample was resumed across a weight push in {step + 1} steps; the abort-and-resume " \
+                      "path did not run"
 
 
 def test_recorded_0515_replies_match_the_live_engine(old_stack):
