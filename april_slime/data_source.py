@@ -18,7 +18,9 @@ from april_slime.core.buffer import PartialBuffer
 from april_slime.core.config import AprilConfig, AprilConfigError
 from april_slime.core.types import Group
 from april_slime.generate_functions import load_generate_function
-from april_slime.samples import SampleCodec, Slime, leaves
+from april_slime.samples import SampleCodec, Slime, leaves, replay_spec
+
+logger = logging.getLogger(__name__)
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +38,11 @@ def load_config(args: Any) -> AprilConfig:
     if getattr(args, "rollout_max_response_len", None) is None:
         raise AprilConfigError("rollout_max_response_len: must be set; it is the response budget that "
                                "partial rollouts are resumed against")
-    if getattr(args, "rollout_top_p", 1.0) != 1.0:
-        raise AprilConfigError(f"rollout_top_p: must be 1.0 with april_slime (got {args.rollout_top_p}); "
-                               "slime's top-p token replay is not carried through partial rollouts")
-    if getattr(args, "use_rollout_routing_replay", False):
-        raise AprilConfigError("use_rollout_routing_replay: not supported with april_slime; routed experts "
-                               "are not carried through partial rollouts")
+    spec = replay_spec(args)
+    if spec.routed and getattr(args, "custom_generate_function_path", None):
+        raise AprilConfigError("use_rollout_routing_replay: not supported with custom_generate_function_path "
+                               "(multi-turn episodes): a trained sample's routed experts would have to be "
+                               "stitched across its model calls, which april_slime does not do")
     return config
 
 
@@ -129,6 +130,7 @@ class AprilDataSource:
         if restored is not None:
             self.policy_version = self.restored_policy_version = restored.policy_version
             self._restart_unfinished_episodes()
+            self._restart_without_replay()
 
     def _restart_unfinished_episodes(self) -> None:
         """In a job with a generate function every member is an episode's record. A checkpoint keeps
@@ -144,3 +146,23 @@ class AprilDataSource:
             for member in group.unfinished():
                 member.reset()
                 self.restored_episodes.add(member.uid)
+
+    def _restart_without_replay(self) -> None:
+        """A checkpoint saved by a job that replayed less (or another model) holds responses whose
+        routed experts or top-p kept ids are unknown: they restart from their prompts, as training
+        could not replay them. Replay data this job does not use is dropped (it can be large)."""
+        spec = self._codec.replay
+        restarted = 0
+        for group in self.buffer.groups():
+            for t in group.trajectories:
+                if not spec.active:
+                    t.replay = None
+                elif t.response_ids and (t.replay is None or t.replay.covers(
+                        spec, len(t.prompt_ids) if t.episode_sample is None else 0, t.response_length)):
+                    t.reset()
+                    restarted += 1
+                    if getattr(self.args, "custom_generate_function_path", None):
+                        self.restored_episodes.add(t.uid)
+        if restarted:
+            logger.warning("%d buffered samples hold no routed experts / top-p kept ids for what they "
+                           "generated; they restart from their prompts", restarted)

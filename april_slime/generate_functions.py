@@ -27,6 +27,7 @@ then whole calls' outputs in call order, and together the samples hold every cal
 from __future__ import annotations
 
 import argparse
+import base64
 import copy
 import inspect
 import math
@@ -34,8 +35,9 @@ from typing import Any
 
 from april_slime.core.config import AprilConfigError
 from april_slime.core.episodes import Episode, EpisodeError, ModelCall
+from april_slime.core.replay import INT32, TokenReplay, int32_bytes
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
-from april_slime.samples import SampleCodec, Slime, plain
+from april_slime.samples import SampleCodec, Slime, plain, replay_spec
 
 EPISODE_MARKER = "april_episode"  # key in sampling_params["custom_params"]
 LOGPROB_MATCH_TOLERANCE = 1e-6
@@ -65,6 +67,7 @@ class GenerateFunctions:
         self.args = args
         self.codec = codec
         self.default_path = getattr(args, "custom_generate_function_path", None)
+        self.top_p_replay = replay_spec(args).top_p  # calls' replies carry their top-p kept ids
         self.sampling_params = {**sampling_params, "max_new_tokens": args.rollout_max_response_len}
         self.function_args: Any = None  # set by point_at(front)
         self._functions: dict[str, Any] = {}
@@ -141,8 +144,16 @@ class GenerateFunctions:
                 "output_token_logprobs": [[float(lp), int(i), None] for lp, i in zip(t.logprobs, ids)],
                 "weight_version": str(latest),
                 "weight_versions": spans,
+                **self._top_p_fields(t),
             },
         }
+
+    def _top_p_fields(self, t: Trajectory) -> dict:
+        """The call's top-p kept ids over every segment, as slime's SGLang patch sends them."""
+        if not self.top_p_replay or t.replay is None or t.replay.top_p_counts is None:
+            return {}
+        return {"top_p_token_ids": base64.b64encode(bytes(t.replay.top_p_ids)).decode("ascii"),
+                "top_p_token_offsets": base64.b64encode(int32_bytes(t.replay.top_p_offsets())).decode("ascii")}
 
     def _first_stop(self, ids: list[int], stops: tuple[str, ...], params: dict) -> tuple[int, str] | None:
         """The shortest prefix of ``ids`` whose text holds a stop string (SGLang stops there when the
@@ -170,6 +181,7 @@ class GenerateFunctions:
         member.response_ids, member.logprobs = response, [float(x) for x in logprobs]
         member.loss_mask = mask
         member.version_runs = _runs(versions)
+        member.replay = _served_top_p(mask, episode.served) if self.top_p_replay else None
         member.max_new_tokens = max(member.max_new_tokens, len(response))
         member.call_versions = [v for c in episode.served for v in c.trajectory.call_versions]
         member.num_calls = sum(c.trajectory.num_calls for c in episode.served)
@@ -204,7 +216,9 @@ class GenerateFunctions:
             entries.append({"sample": plain(self.codec.sample_dict(result)), "version_runs": _runs(versions),
                             "call_versions": [v for k in calls for v in served[k].trajectory.call_versions],
                             "num_calls": sum(served[k].trajectory.num_calls for k in calls),
-                            "num_aborts": sum(served[k].trajectory.num_aborts for k in calls)})
+                            "num_aborts": sum(served[k].trajectory.num_aborts for k in calls),
+                            "replay": (_served_top_p(mask, [served[k] for k in calls]).to_dict()
+                                       if self.top_p_replay else None)})
         unused = [k for k, c in enumerate(served) if c.trajectory.response_ids and k not in used]
         if unused:
             raise EpisodeError(f"sample {member.uid}: the tokens of model call(s) {unused} of {len(served)} reach "
@@ -213,6 +227,8 @@ class GenerateFunctions:
         member.logprobs = [float(lp) for c in served for lp in c.trajectory.logprobs]
         member.loss_mask = None
         member.version_runs = _runs([v for c in served for v in c.trajectory.token_versions()])
+        # what the member holds, for the checks of a restored checkpoint (each sample has its own)
+        member.replay = _served_top_p([1] * len(member.response_ids), served) if self.top_p_replay else None
         member.max_new_tokens = max(member.max_new_tokens, len(member.response_ids))
         member.call_versions = [v for c in served for v in c.trajectory.call_versions]
         member.num_calls = sum(c.trajectory.num_calls for c in served)
@@ -300,6 +316,30 @@ def _spread(mask: list[int], trainable_versions: list[int]) -> list[int]:
             last = next(by_token)
         out.append(last)
     return out
+
+
+def _served_top_p(mask: list[int], served: list[ModelCall]) -> TokenReplay:
+    """The top-p kept ids of an episode's response: each trainable token's from the call that served
+    it (``_match_served`` checked they are those tokens, in order), none for the others (tool
+    output; slime pads them the same way)."""
+    ids, counts = bytearray(), []
+    calls = iter(served)
+    call: ModelCall | None = None
+    pos = offsets = None
+    for m in mask:
+        if not m:
+            counts.append(0)
+            continue
+        while call is None or pos >= len(offsets) - 1:
+            call, pos = next(calls), 0
+            replay = call.trajectory.replay
+            if replay is None or replay.top_p_tokens != call.trajectory.response_length:
+                raise EpisodeError(f"model call {call.trajectory.uid} holds no top-p kept ids for its tokens")
+            offsets, kept = replay.top_p_offsets(), replay.top_p_ids
+        ids += kept[offsets[pos] * INT32:offsets[pos + 1] * INT32]
+        counts.append(offsets[pos + 1] - offsets[pos])
+        pos += 1
+    return TokenReplay(top_p_ids=ids, top_p_counts=bytearray(int32_bytes(counts)))
 
 
 def _runs(versions: list[int]) -> list[list[int]]:

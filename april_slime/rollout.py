@@ -31,6 +31,7 @@ import dataclasses
 import importlib
 import logging
 import threading
+import uuid
 from collections import Counter
 from typing import Any
 
@@ -166,12 +167,14 @@ class _Runtime:
         fresh = await EngineClient.from_router(
             self.router_url, dispatch=self.config.dispatch, hints=deployment_hints(self.args),
             timeout_s=self.config.request_timeout_s, max_retries=self.config.max_retries,
-            retry_backoff_s=self.config.retry_backoff_s, vocab_size=_vocab_size(self.codec))
+            retry_backoff_s=self.config.retry_backoff_s, vocab_size=_vocab_size(self.codec),
+            replay=self.codec.replay)
         if self.client is not None and fresh.dispatch == self.client.dispatch:
             await fresh.close()
             return
         try:
             check_router_fields(fresh.dispatch, self.args)
+            await self._check_replay_support(fresh)
         except BaseException:
             await fresh.close()
             raise
@@ -184,6 +187,23 @@ class _Runtime:
             await self.client.close()
         self.client = _PolicyVersionClient(fresh, self.version_offset or 0)
         self.scheduler = self._build_scheduler()
+
+    async def _check_replay_support(self, client: Any) -> None:
+        """A job that replays routed experts or top-p kept ids needs engines that return them: one
+        one-token call per set of engines says so before any work, instead of a failed call per
+        request. An engine that cannot stops the job with one line naming the key."""
+        spec = self.codec.replay
+        if not spec.active:
+            return
+        from april_slime.core.sglang_protocol import EngineReplyError
+
+        url = client.engine_urls[0]
+        try:
+            await client.generate(url, [0], max_new_tokens=1, rid=f"april-replay-check-{uuid.uuid4().hex}",
+                                  sampling_params=sampling_params(self.args), sampling_seed=0)
+        except EngineReplyError as e:
+            key = "use_rollout_routing_replay" if "routed_experts" in str(e) else "rollout_top_p"
+            raise AprilConfigError(f"{key}: the rollout engines do not return what training replays: {e}") from None
 
     def _build_scheduler(self):
         from april_slime.core.scheduler import RolloutScheduler
@@ -417,6 +437,8 @@ def sampling_params(args: Any) -> dict[str, Any]:
         "no_stop_trim": True,
         "spaces_between_special_tokens": False,
     }
+    if params["top_p"] != 1.0:  # slime's top-p token replay (its SGLang patch reads this)
+        params["custom_params"] = {"return_top_p_token_ids": True}
     return {k: v for k, v in params.items() if v is not None}
 
 

@@ -8,7 +8,10 @@ slime and fails with a clear ``ImportError`` only on a path that needs it.
 
 Each sample carries its per-token policy versions (``TOKEN_VERSIONS_KEY``, run-length encoded) and
 the policy version of the step it trains in (``POLICY_VERSION_KEY``) in ``train_metadata`` and
-``metadata``, where the loss reads them (``april_slime.core.keys``).
+``metadata``, where the loss reads them (``april_slime.core.keys``). What slime's trainer replays
+(``rollout_routed_experts`` with ``--use-rollout-routing-replay``, ``rollout_top_p_token_ids`` /
+``_offsets`` with ``--rollout-top-p`` < 1) comes from the trajectory's ``TokenReplay``, stitched
+over its segments (``april_slime.core.replay``), in the shapes slime's own ``Sample`` code makes.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 from april_slime.core.config import AprilConfig, AprilConfigError
 from april_slime.core.keys import POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
+from april_slime.core.replay import INT32, ReplaySpec, TokenReplay, int32_bytes
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.slime_compat import data_source_module
 
@@ -87,6 +91,79 @@ def _tokenizer(slime: Slime, args: Any) -> Any:
     return _TOKENIZERS[path]
 
 
+# ====================================================================== what training replays
+def replay_spec(args: Any) -> ReplaySpec:
+    """What the job's trainer replays, from slime's arguments; ``AprilConfigError`` naming the key."""
+    top_p = getattr(args, "rollout_top_p", 1.0)
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise AprilConfigError(f"rollout_top_p: must lie in (0, 1], got {top_p!r}")
+    layers = topk = 0
+    if getattr(args, "use_rollout_routing_replay", False):
+        layers, topk = getattr(args, "num_layers", None), getattr(args, "moe_router_topk", None)
+        for key, value in (("num_layers", layers), ("moe_router_topk", topk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise AprilConfigError(f"use_rollout_routing_replay: needs {key} (slime's model arguments) as an "
+                                       f"integer >= 1 to read the engines' routed experts, got {value!r}")
+    return ReplaySpec(routed_layers=layers, routed_topk=topk, top_p=top_p < 1.0)
+
+
+def _le_int32(value: Any) -> bytearray:
+    import torch
+
+    return bytearray(torch.as_tensor(value, dtype=torch.int32).reshape(-1).numpy().astype("<i4").tobytes())
+
+
+def _int32_tensor(raw: bytes | bytearray | None) -> Any:
+    import torch
+
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32) if raw else torch.zeros(0, dtype=torch.int32)
+
+
+def put_replay(s: Any, replay: TokenReplay | None, spec: ReplaySpec, uid: str) -> None:
+    """Set slime's replay fields of ``s`` from a trajectory's stitched data; a trajectory that does
+    not hold all of it stops here, naming what is missing, rather than train on shifted rows."""
+    if not spec.active:
+        return
+    replay = replay if replay is not None else TokenReplay()
+    missing = replay.covers(spec, len(s.tokens) - s.response_length, s.response_length)
+    if missing:
+        raise RuntimeError(f"sample {uid}: holds {missing}; it cannot be replayed in training")
+    if spec.routed:
+        s.rollout_routed_experts = _int32_tensor(replay.routed).reshape(-1, spec.routed_layers, spec.routed_topk)
+    if spec.top_p:
+        import torch
+
+        s.rollout_top_p_token_ids = _int32_tensor(replay.top_p_ids)
+        s.rollout_top_p_token_offsets = torch.tensor(replay.top_p_offsets(), dtype=torch.int32)
+
+
+def take_replay(s: Any, spec: ReplaySpec) -> TokenReplay | None:
+    """A slime sample's replay fields as a ``TokenReplay`` (None when it holds none of them), as
+    slime's own code leaves them; a shape that does not fit ``spec`` raises ``ValueError``."""
+    if not spec.active:
+        return None
+    import torch
+
+    replay = TokenReplay(routed_width=spec.routed_width)
+    experts = getattr(s, "rollout_routed_experts", None)
+    if spec.routed and experts is not None:
+        experts = torch.as_tensor(experts, dtype=torch.int32)
+        if experts.ndim != 3 or tuple(experts.shape[1:]) != (spec.routed_layers, spec.routed_topk):
+            raise ValueError(f"rollout_routed_experts of shape {tuple(experts.shape)}, expected "
+                             f"(*, {spec.routed_layers}, {spec.routed_topk})")
+        replay.routed = _le_int32(experts)
+    ids, offsets = getattr(s, "rollout_top_p_token_ids", None), getattr(s, "rollout_top_p_token_offsets", None)
+    if spec.top_p and ids is not None and offsets is not None:
+        offsets = [int(x) for x in torch.as_tensor(offsets).reshape(-1).tolist()]
+        counts = [b - a for a, b in zip(offsets, offsets[1:])]
+        replay.top_p_ids = _le_int32(ids)
+        replay.top_p_counts = bytearray(int32_bytes(counts))
+        if not offsets or offsets[0] != 0 or min(counts, default=0) < 0 or offsets[-1] * INT32 != len(
+                replay.top_p_ids):
+            raise ValueError("rollout_top_p_token_offsets do not split rollout_top_p_token_ids")
+    return replay
+
+
 # ====================================================================== Sample <-> Group
 def sampling_seed(rollout_seed: int, group_uid: str, index: int) -> int:
     """Fixed per trajectory for its whole life, so a resumed call continues the same random stream,
@@ -118,6 +195,7 @@ class SampleCodec:
         self.n = args.n_samples_per_prompt
         self.budget = args.rollout_max_response_len
         self.seed = getattr(args, "rollout_seed", 42)
+        self.replay = replay_spec(args)
 
     @property
     def tokenizer(self) -> Any:
@@ -174,6 +252,11 @@ class SampleCodec:
         """The slime sample of one trajectory, shaped as slime's own ``generate`` leaves it (an
         episode's: as its generate function returned it, with the plugin's metadata added; a list
         of samples where the function returned one)."""
+        if (t.episode_samples is not None or t.episode_sample is not None) and self.replay.routed:
+            # a prompt's own Sample.generate_function_path (the job's is refused at start)
+            raise RuntimeError(f"sample {t.uid}: use_rollout_routing_replay is not supported for multi-turn "
+                               "episodes (its generate_function_path): its routed experts would have to be "
+                               "stitched across its model calls")
         if t.episode_samples is not None:
             return self._fanout_samples(group, t, current_version)
         if t.episode_sample is not None:
@@ -188,6 +271,7 @@ class SampleCodec:
         s.rollout_log_probs = [float(lp) for lp in t.logprobs]
         s.loss_mask = self._loss_mask(t.loss_mask, t.token_versions(), current_version)
         s.status = Sample.Status[_STATUS_TO_SLIME[t.status]]
+        put_replay(s, t.replay, self.replay, t.uid)
         return self._with_plugin_fields(s, group.restarts, t.reward, t.version_runs, t.call_versions, t.num_calls,
                                         t.num_aborts, current_version)
 
@@ -196,6 +280,7 @@ class SampleCodec:
         s.group_index = group.payload["group_index"]
         s.index = group.payload["indices"][t.index_in_group]
         s.loss_mask = self._loss_mask(t.loss_mask, t.token_versions(), current_version)
+        put_replay(s, t.replay, self.replay, t.uid)
         return self._with_plugin_fields(s, group.restarts, t.reward, t.version_runs, t.call_versions, t.num_calls,
                                         t.num_aborts, current_version)
 
@@ -209,6 +294,9 @@ class SampleCodec:
             versions = [v for v, c in runs for _ in range(c)]
             s.loss_mask = self._loss_mask(s.loss_mask, versions, current_version)
             reward = t.reward[n] if t.reward is not None else s.reward
+            replay = entry.get("replay")
+            put_replay(s, TokenReplay.from_dict(replay) if replay is not None else None, self.replay,
+                       f"{t.uid}[{n}]")
             out.append(self._with_plugin_fields(s, group.restarts, reward, runs, entry["call_versions"],
                                                 entry["num_calls"], entry["num_aborts"], current_version))
         return out
@@ -270,12 +358,19 @@ class SampleCodec:
         response = list(s.tokens[len(prompt_ids):]) if s.tokens else []
         logprobs = s.rollout_log_probs or []
         runs = self._known_versions(s, length)
+        try:
+            replay = take_replay(s, self.replay)
+        except ValueError:
+            replay = None
         usable = (length > 0 and len(response) == length and len(logprobs) == length and runs is not None
                   and all(math.isfinite(float(x)) for x in logprobs) and length <= t.max_new_tokens
-                  and status in ("COMPLETED", "TRUNCATED", "ABORTED"))
+                  and status in ("COMPLETED", "TRUNCATED", "ABORTED")
+                  and (not self.replay.active or (replay is not None and replay.covers(
+                      self.replay, len(prompt_ids), length) is None)))
         if not usable:
             t.reward = None
             return
+        t.replay = replay
         t.response_ids = response
         t.logprobs = [float(x) for x in logprobs]
         t.version_runs = runs

@@ -26,6 +26,7 @@ class CharTokenizer:
 def functions() -> GenerateFunctions:
     g = GenerateFunctions.__new__(GenerateFunctions)
     g.codec = SimpleNamespace(tokenizer=CharTokenizer())
+    g.top_p_replay = False
     return g
 
 

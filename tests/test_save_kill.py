@@ -36,6 +36,11 @@ def test_sigkill_at_every_point_of_a_save_loses_and_repeats_nothing(tmp_path, pr
     kill_and_restart(tmp_path, prompts, loop, point)
 
 
+@pytest.mark.parametrize("point", ["tmp_partial", "renamed"])
+def test_a_kill_keeps_the_routed_experts_and_top_p_ids_of_every_partial(tmp_path, prompts, point):
+    kill_and_restart(tmp_path, prompts, "train_async", point, replay=True)
+
+
 def test_the_write_fsyncs_the_file_then_the_folder_after_the_rename(tmp_path, monkeypatch):
     from april_slime.core import jsonfile
 

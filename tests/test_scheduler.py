@@ -62,7 +62,7 @@ class FakeClient:
         return v % 1000 + 5, -((v >> 20) % 1000) / 250.0
 
     async def generate(self, engine_url, input_ids, *, max_new_tokens, rid, sampling_params,
-                       sampling_seed) -> GenerateResult:
+                       sampling_seed, replay_rows=0) -> GenerateResult:
         assert rid not in self.rids, f"rid {rid} reused"
         assert max_new_tokens > 0
         self.rids.add(rid)

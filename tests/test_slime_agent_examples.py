@@ -121,8 +121,7 @@ def ignore_unmatchable_stop_strings(monkeypatch) -> None:
     monkeypatch.setattr(server, "parse_generate", parse_generate)
 
 
-@pytest.fixture
-def agent_cluster(slime_mode, monkeypatch):
+def _agent_cluster(monkeypatch, replay=None) -> Cluster:
     """Emulated engines whose responses stop at a constant per-token rate (Weibull shape 1): a model
     call often stops (EOS) inside its short budget, whatever its prompt's length, so the functions go on
     to their next turn; the default length model measures from position 0 and would end the long
@@ -132,8 +131,25 @@ def agent_cluster(slime_mode, monkeypatch):
     ignore_unmatchable_stop_strings(monkeypatch)
 
     c = Cluster(length=LengthModel(median_tokens=20.0, prompt_sigma=0.3, sample_sigma=0.2, shape=1.0,
-                                   truncation_fraction=0.0))
+                                   truncation_fraction=0.0), replay=replay)
     c.bump(1)
+    return c
+
+
+@pytest.fixture
+def agent_cluster(slime_mode, monkeypatch):
+    c = _agent_cluster(monkeypatch)
+    yield c
+    rollout.shutdown()
+    c.stop()
+
+
+@pytest.fixture
+def top_p_agent_cluster(slime_mode, monkeypatch):
+    """The same engines, also returning top-p kept ids as SGLang with slime's top-p patch does."""
+    from april_slime.workbench.emulator.replay import EmulatedReplay
+
+    c = _agent_cluster(monkeypatch, EmulatedReplay(top_p_ids=True))
     yield c
     rollout.shutdown()
     c.stop()
@@ -199,9 +215,9 @@ def check_sample(s, observations: list[list[int]], max_turns: int) -> int:
     return len(obs_runs)
 
 
-def run_job(args, cluster, observations: list[list[int]], max_turns: int) -> dict:
+def run_job(args, cluster, observations: list[list[int]], max_turns: int, check=None) -> dict:
     """``STEPS`` rollout steps (up to ``MAX_STEPS`` until a call was aborted and resumed), checking
-    every trained sample; returns what the run saw."""
+    every trained sample (also with ``check``, when given); returns what the run saw."""
     source = rollout.AprilDataSource(args)
     trained: list[int] = []
     indices: set[int] = set()
@@ -219,6 +235,8 @@ def run_job(args, cluster, observations: list[list[int]], max_turns: int) -> dic
                 assert s.index not in indices, f"sample {s.index} trained twice"
                 indices.add(s.index)
                 seen["observations"] += check_sample(s, observations, max_turns)
+                if check is not None:
+                    check(s)
                 seen["aborted_samples"] += s.metadata["april_num_aborts"] > 0
                 seen["samples"] += 1
         seen["resumed_calls"] += out.metrics["april/episodes/resumed_calls"]
@@ -282,3 +300,31 @@ def test_retool_runs_unchanged(agent_cluster, slime_client, example_path, tmp_pa
     observations = observation_tokens(args, [invalid])
     seen = run_job(args, agent_cluster, observations, RETOOL_MAX_TURNS)
     assert seen["calls"] > seen["samples"]
+
+
+def check_top_p_kept_ids(s) -> None:
+    """slime's top-p replay fields over a multi-turn sample: one kept set per response token, the
+    model's tokens each in theirs (the emulated engine keeps the sampled token first), none for an
+    observation's tokens (slime's own padding)."""
+    offsets, ids = s.rollout_top_p_token_offsets.tolist(), s.rollout_top_p_token_ids.tolist()
+    assert len(offsets) == s.response_length + 1 and offsets[0] == 0 and offsets[-1] == len(ids)
+    response = s.tokens[len(s.tokens) - s.response_length:]
+    for k, (m, token) in enumerate(zip(s.loss_mask, response)):
+        kept = ids[offsets[k]:offsets[k + 1]]
+        assert (kept[:1] == [token]) if m else kept == [], f"token {k} (mask {m}): kept ids {kept}"
+
+
+def test_retool_keeps_every_calls_top_p_kept_ids(top_p_agent_cluster, slime_client, example_path, tmp_path):
+    """retool with --rollout-top-p 0.9 under copris: its calls are aborted and resumed, and every trained
+    sample carries the kept ids of each of its model tokens, stitched over the segments of each call."""
+    pytest.importorskip("jinja2", reason="slime's retool example needs jinja2 (its prompt template)")
+    pytest.importorskip("psutil", reason="slime's retool example needs psutil (its tool_sandbox)")
+    retool = example_path("retool", "generate_with_retool")
+    retool.TOOL_CONFIGS["max_turns"] = RETOOL_MAX_TURNS
+    prompts = write_prompts(tmp_path, lambda i: str(i))
+    args = job_args(tmp_path, prompts, top_p_agent_cluster, "copris", rollout_top_p=0.9,
+                    custom_generate_function_path="generate_with_retool.generate",
+                    custom_rm_path="generate_with_retool.reward_func", reward_key="score")
+    slime_client(args)
+    observations = observation_tokens(args, [loop_run(_invalid_observation(retool))])
+    run_job(args, top_p_agent_cluster, observations, RETOOL_MAX_TURNS, check=check_top_p_kept_ids)

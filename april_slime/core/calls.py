@@ -84,7 +84,7 @@ class EngineCalls:
             result = await self.client.generate(
                 call.engine_url, input_ids, max_new_tokens=max_new_tokens, rid=call.rid,
                 sampling_params=getattr(call.item, "sampling_params", None) or self.sampling_params,
-                sampling_seed=call.item.sampling_seed)
+                sampling_seed=call.item.sampling_seed, replay_rows=getattr(call.item, "replay_rows", 0))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # classified by the step, its queue's only consumer

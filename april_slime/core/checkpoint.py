@@ -68,6 +68,7 @@ restarts, and checks a ledger).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import copy
 import json
@@ -186,9 +187,16 @@ class Snapshot:
     def text(self) -> str:
         """The complete state file."""
         try:
-            return json.dumps(self.state, allow_nan=False)
+            return json.dumps(self.state, allow_nan=False, default=_bytes_as_base64)
         except (TypeError, ValueError) as e:
             raise ValueError(f"rollout {self.rollout_id}: data-source state is not plain JSON ({e})") from e
+
+
+def _bytes_as_base64(obj: Any) -> str:
+    """A trajectory's replay arrays are held as ``bytes`` until a save (``core.replay``)."""
+    if isinstance(obj, bytes):
+        return base64.b64encode(obj).decode("ascii")
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
 
 # ---------------------------------------------------------------------------- files

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable
 
 from april_slime.core.dispatch import DeploymentHints, Dispatch, choose, parse_workers, router_dropped_fields
+from april_slime.core.replay import NO_REPLAY, ReplaySpec
 from april_slime.core.sglang_protocol import (
     EngineError,
     EngineLoad,
@@ -42,6 +43,7 @@ from april_slime.core.sglang_protocol import (
     EngineUnavailable,
     GenerateResult,
     RequestRejected,
+    ask_for_replay,
     check_token_ids,
     normalise_url,
     parse_generate_reply,
@@ -207,6 +209,7 @@ class EngineClient:
         retry_backoff_s: float = 1.0,
         vocab_size: int | None = None,
         dispatch: Dispatch | None = None,
+        replay: ReplaySpec = NO_REPLAY,  # what training replays (core.replay), asked of every generate
     ) -> None:
         if dispatch is None:
             if not engine_urls:
@@ -232,8 +235,7 @@ class EngineClient:
         self.transport: Transport = transport if transport is not None else HttpTransport()
         self.timeout_s = timeout_s
         self.control_timeout_s = min(timeout_s, CONTROL_TIMEOUT_S)
-        self.max_retries = max_retries
-        self.retry_backoff_s = retry_backoff_s
+        self.max_retries, self.retry_backoff_s, self.replay = max_retries, retry_backoff_s, replay
         # token ids sent and received must lie below it; None (unknown) checks only ids >= 0
         self.vocab_size = vocab_size
         self.stats: dict[str, EngineStats] = {url: EngineStats() for url in self.engine_urls + self.worker_urls}
@@ -305,6 +307,7 @@ class EngineClient:
         rid: str,
         sampling_params: dict,
         sampling_seed: int,
+        replay_rows: int = 0,  # routed experts held from earlier segments (sglang_protocol.ask_for_replay)
     ) -> GenerateResult:
         """One generate call. The reply is validated; an aborted reply with partial (or zero)
         tokens is a normal result with ``finish_reason == "abort"``.
@@ -337,6 +340,7 @@ class EngineClient:
             "return_logprob": True,
             "rid": rid,
         }
+        ask_for_replay(payload, self.replay, replay_rows)
         if self.dispatch.is_router(engine_url):
             dropped = router_dropped_fields(payload)
             if dropped:
@@ -378,7 +382,7 @@ class EngineClient:
             engine_url,
             lambda: parse_generate_reply(
                 reply, engine_url=engine_url, rid=rid, max_new_tokens=max_new_tokens,
-                vocab_size=self.vocab_size,
+                vocab_size=self.vocab_size, replay=self.replay, input_len=len(input_ids), routed_start=replay_rows,
             ),
         )
         self._stats(engine_url).retractions_in_replies += result.retractions

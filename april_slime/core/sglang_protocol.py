@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from april_slime.core.replay import INT32, NO_REPLAY, ReplaySpec, SegmentReplay, decode_int32, int32_bytes, int32_values
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -62,6 +64,8 @@ class GenerateResult:
     # meta_info.weight_versions when the engine sends it, else every token gets weight_version
     version_runs: list[list[int]] | None = None
     retractions: int = 0  # meta_info.num_retractions: times the engine retracted this request
+    # what the job replays in training (routed experts, top-p kept ids), when it asked for it
+    replay: SegmentReplay | None = None
 
     def __post_init__(self) -> None:
         if self.version_runs is None:
@@ -331,9 +335,12 @@ def _parse_version_spans(spans: Any, n: int, where: str) -> list[list[int]]:
 
 
 def parse_generate_reply(
-    reply: Any, *, engine_url: str, rid: str, max_new_tokens: int, vocab_size: int | None = None
+    reply: Any, *, engine_url: str, rid: str, max_new_tokens: int, vocab_size: int | None = None,
+    replay: ReplaySpec = NO_REPLAY, input_len: int = 0, routed_start: int = 0,
 ) -> GenerateResult:
-    """Validate one SGLang ``/generate`` reply and turn it into a ``GenerateResult``."""
+    """Validate one SGLang ``/generate`` reply and turn it into a ``GenerateResult``. With a
+    ``replay`` spec, the reply must carry what it names (``parse_replay``) for the ``input_len``
+    ids sent, the routed experts from position ``routed_start`` on."""
     where = f"engine {engine_url} rid {rid}"
     if not isinstance(reply, dict):
         raise EngineReplyError(f"{where}: reply is a {type(reply).__name__}, not a JSON object")
@@ -396,7 +403,102 @@ def parse_generate_reply(
         engine_url=engine_url,
         version_runs=version_runs,
         retractions=retractions,
+        replay=(parse_replay(meta, where, replay, input_len=input_len, output_len=len(output_ids),
+                             routed_start=routed_start, vocab_size=vocab_size) if replay.active else None),
     )
+
+
+# ------------------------------------------------------------------ replay data (core.replay)
+TOP_P_ID_KEYS = ("top_p_token_ids", "top_p_kept_token_ids")  # slime reads either name
+TOP_P_OFFSET_KEYS = ("top_p_token_offsets", "top_p_kept_token_offsets")
+
+
+def ask_for_replay(payload: dict, spec: ReplaySpec, routed_start: int) -> None:
+    """Add to a ``/generate`` payload what ``spec`` replays: the routed experts of the positions
+    from ``routed_start`` on, and (slime's top-p patch) the top-p kept ids of every token."""
+    if spec.routed:
+        payload["return_routed_experts"] = True
+        if routed_start:
+            payload["routed_experts_start_len"] = routed_start
+    if spec.top_p:
+        params = payload["sampling_params"]
+        params["custom_params"] = {**(params.get("custom_params") or {}), "return_top_p_token_ids": True}
+
+
+def parse_replay(meta: dict, where: str, spec: ReplaySpec, *, input_len: int, output_len: int,
+                 routed_start: int, vocab_size: int | None) -> SegmentReplay | None:
+    """The replay data of a reply of ``output_len`` tokens (None without tokens: an abort before
+    the first token says nothing about any position)."""
+    if output_len == 0:
+        return None
+    seg = SegmentReplay(routed_start=routed_start, routed_width=spec.routed_width)
+    if spec.routed:
+        seg.routed = parse_routed_experts(meta, where, spec, input_len=input_len, output_len=output_len,
+                                          start=routed_start)
+    if spec.top_p:
+        seg.top_p_ids, seg.top_p_counts = parse_top_p_token_ids(meta, where, output_len=output_len,
+                                                                vocab_size=vocab_size)
+    return seg
+
+
+def parse_routed_experts(meta: dict, where: str, spec: ReplaySpec, *, input_len: int, output_len: int,
+                         start: int) -> bytes:
+    """``meta_info.routed_experts`` -> the rows of positions ``[start, input_len + output_len - 1)``.
+
+    SGLang honours ``routed_experts_start_len`` (and sends only those rows); an engine that ignores
+    it sends every position from 0, and the rows before ``start`` are dropped here. Any other row
+    count is an error: a row short or over would shift every later token's routing."""
+    value = meta.get("routed_experts")
+    if value is None:
+        raise EngineReplyError(f"{where}: no meta_info.routed_experts (routing replay needs engines started "
+                               "with --enable-return-routed-experts)")
+    try:
+        raw = decode_int32(value, "meta_info.routed_experts")
+    except ValueError as e:
+        raise EngineReplyError(f"{where}: {e}") from None
+    width = spec.routed_width * INT32
+    end = input_len + output_len - 1
+    if len(raw) % width:
+        raise EngineReplyError(f"{where}: meta_info.routed_experts holds {len(raw) // INT32} values, not rows of "
+                               f"{spec.routed_layers} layers x top-{spec.routed_topk}")
+    rows = len(raw) // width
+    if rows == end - start:
+        return raw
+    if start and rows == end:
+        return raw[start * width:]
+    raise EngineReplyError(f"{where}: meta_info.routed_experts has {rows} rows, but {input_len} input ids + "
+                           f"{output_len} output tokens from position {start} need {end - start}")
+
+
+def parse_top_p_token_ids(meta: dict, where: str, *, output_len: int,
+                          vocab_size: int | None) -> tuple[bytes, bytes]:
+    """slime's top-p replay fields -> (kept ids, one count per output token), both int32 bytes."""
+    ids_key = next((k for k in TOP_P_ID_KEYS if meta.get(k) is not None), None)
+    offsets_key = next((k for k in TOP_P_OFFSET_KEYS if meta.get(k) is not None), None)
+    if ids_key is None or offsets_key is None:
+        raise EngineReplyError(
+            f"{where}: no meta_info.top_p_token_ids / top_p_token_offsets for {output_len} tokens sampled with "
+            "top-p < 1 (the engine must return the top-p kept token ids: SGLang with slime's "
+            "sglang-top_p.patch, as in slime's images)")
+    try:
+        ids_raw = decode_int32(meta[ids_key], f"meta_info.{ids_key}")
+        offsets = int32_values(decode_int32(meta[offsets_key], f"meta_info.{offsets_key}"))
+    except ValueError as e:
+        raise EngineReplyError(f"{where}: {e}") from None
+    n_ids = len(ids_raw) // INT32
+    if len(offsets) != output_len + 1 or offsets[0] != 0 or offsets[-1] != n_ids:
+        raise EngineReplyError(
+            f"{where}: meta_info.{offsets_key} ({len(offsets)} offsets, first "
+            f"{offsets[0] if offsets else None}, last {offsets[-1] if offsets else None}) does not split "
+            f"{n_ids} kept ids over {output_len} tokens")
+    counts = [b - a for a, b in zip(offsets, offsets[1:])]
+    if min(counts) < 0:
+        raise EngineReplyError(f"{where}: meta_info.{offsets_key} decreases at token {counts.index(min(counts))}")
+    if n_ids:
+        ids = int32_values(ids_raw)
+        if min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size):
+            raise EngineReplyError(f"{where}: meta_info.{ids_key} holds a token id outside [0, {vocab_size})")
+    return ids_raw, int32_bytes(counts)
 
 
 def normalise_url(url: str) -> str:

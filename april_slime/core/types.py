@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from april_slime.core.replay import SegmentReplay, TokenReplay
+
 
 class TrajectoryStatus(str, enum.Enum):
     PENDING = "pending"  # never sent, or waiting to be resumed
@@ -69,6 +71,9 @@ class Trajectory:
     sampling_params: dict | None = None
     # an unfinished episode: the oldest policy version of the tokens its calls hold (not saved)
     episode_oldest_version: int | None = field(default=None, compare=False, repr=False)
+    # what training replays (core.replay): routed experts of every position, top-p kept ids of every
+    # response token, stitched over the calls; None when the job replays nothing
+    replay: TokenReplay | None = field(default=None, repr=False)
 
     @property
     def response_length(self) -> int:
@@ -82,14 +87,20 @@ class Trajectory:
         """What a (re)submission sends: prompt plus whatever was generated already."""
         return self.prompt_ids + self.response_ids
 
+    @property
+    def replay_rows(self) -> int:
+        """Positions whose routed experts are held: the next call needs the engine's from there on."""
+        return self.replay.routed_rows if self.replay is not None else 0
+
     def append(self, output_ids: list[int], logprobs: list[float], version: int,
-               version_runs: list[list[int]] | None = None) -> None:
+               version_runs: list[list[int]] | None = None, replay: SegmentReplay | None = None) -> None:
         """Append one stage's output; ``logprobs`` must be aligned one-to-one with ``output_ids``.
 
         ``version`` is the call's reported policy version (recorded in ``call_versions``);
         ``version_runs`` the policy version of each of its tokens as ``[[version, count], ...]``
-        when the weights changed during the call (default: every token has ``version``).
-        Nothing is appended when any of it is inconsistent."""
+        when the weights changed during the call (default: every token has ``version``);
+        ``replay`` what the reply carries for training to replay, stitched after what the earlier
+        stages left (``TokenReplay.extend``). Nothing is appended when any of it is inconsistent."""
         if len(output_ids) != len(logprobs):
             raise ValueError(f"{self.uid}: {len(output_ids)} tokens but {len(logprobs)} log-probs")
         # a sum is finite if every term is (one C pass); only a sum that is not looks at each term
@@ -101,6 +112,14 @@ class Trajectory:
               or any(count < 0 for _, count in version_runs)):
             raise ValueError(f"{self.uid}: per-token versions {version_runs} do not cover the "
                              f"{len(output_ids)} tokens of the call")
+        if replay is not None and output_ids:
+            held = self.replay if self.replay is not None else TokenReplay()
+            try:
+                held.extend(replay, input_len=len(self.prompt_ids) + len(self.response_ids),
+                            response_len=len(self.response_ids), new_tokens=len(output_ids))
+            except ValueError as e:
+                raise ValueError(f"{self.uid}: {e}") from None
+            self.replay = held
         self.call_versions.append(version)
         if not output_ids:
             return
@@ -126,6 +145,8 @@ class Trajectory:
             runs.append([version, min(count, left)])
             left -= count
         self.version_runs = runs
+        if self.replay is not None:
+            self.replay.truncate(len(self.prompt_ids), length)
 
     def token_versions(self) -> list[int]:
         out: list[int] = []
@@ -154,6 +175,7 @@ class Trajectory:
         self.reward = None
         self.loss_mask, self.episode_sample, self.episode_oldest_version = None, None, None
         self.episode_samples = None
+        self.replay = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -177,12 +199,15 @@ class Trajectory:
             "episode_sample": self.episode_sample,
             "episode_samples": self.episode_samples,
             "sampling_params": self.sampling_params,
+            "replay": None if self.replay is None else self.replay.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Trajectory":
         d = dict(d)
         d["status"] = TrajectoryStatus(d["status"])
+        if d.get("replay") is not None:
+            d["replay"] = TokenReplay.from_dict(d["replay"])
         return cls(**d)
 
 

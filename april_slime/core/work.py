@@ -106,7 +106,8 @@ class TrajectoryWork:
             return EngineReplyError(f"{result.engine_url}: request of {t.uid} aborted by the engine "
                                     "without any token")
         try:
-            t.append(result.output_ids, result.logprobs, int(result.weight_version), result.version_runs)
+            t.append(result.output_ids, result.logprobs, int(result.weight_version), result.version_runs,
+                     result.replay)
         except (ValueError, TypeError) as e:
             return EngineReplyError(f"{result.engine_url}: {e}")
         tokens = len(result.output_ids)

@@ -55,6 +55,9 @@ __all__ = [
 # The flags that make SGLang 0.5.23 serve on CPU from PyPI wheels (see scripts/real-stack/README.md).
 CPU_ENGINE_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
                     "--disable-cuda-graph", "--dtype", "float32")
+# The runtime workarounds that must run inside SGLang's own processes (its spawned scheduler too), as a
+# sitecustomize first on the engines' PYTHONPATH: --enable-return-routed-experts on a CPU torch.
+CPU_SITE = Path(__file__).resolve().parents[2] / "scripts" / "real-stack" / "sglang_cpu_site"
 
 
 # ====================================================================== environment check
@@ -190,10 +193,16 @@ class LocalEngine:
         self.max_running_requests = max_running_requests
         self.weight_version = str(weight_version)
         self.extra_args = list(extra_args)
+        env = dict(env or {})
+        if CPU_SITE.is_dir():
+            inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SITE), inherited) if p)
+        elif "--enable-return-routed-experts" in self.extra_args:
+            raise ServerStartError(f"--enable-return-routed-experts on CPU needs the workaround in {CPU_SITE}, "
+                                   "which is missing (it ships with the repository's scripts/real-stack)")
         self._process = _Process("sglang-engine", Path(log_path) if log_path else None,
                                  env={"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": str(threads),
-                                      "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-                                      **(env or {})})
+                                      "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **env})
 
     @property
     def url(self) -> str:

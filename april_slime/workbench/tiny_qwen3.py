@@ -1,6 +1,7 @@
 """A tiny Qwen3 for the local real stack: a random Qwen3 and a tokenizer trained here, no hub access.
 
     build_tiny_qwen3(dir)                     # random Qwen3 + a locally trained tokenizer
+    build_tiny_qwen3(dir, num_experts=8)      # the same as a Qwen3-MoE (top-2 routing by default)
 
 Only the standard library is imported at module level; transformers / tokenizers / torch are
 imported by ``build_tiny_qwen3`` when it runs.
@@ -44,7 +45,7 @@ def tiny_corpus(n: int = 6000, seed: int = 0) -> list[str]:
 def build_tiny_qwen3(out_dir: str | os.PathLike, *, texts: Sequence[str] | None = None, tokenizer: Any = None,
                      vocab_size: int = 2048, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                      num_kv_heads: int = 2, head_dim: int = 16, seed: int = 0,
-                     eos_rate: float | None = None) -> Path:
+                     eos_rate: float | None = None, num_experts: int = 0, experts_per_token: int = 2) -> Path:
     """Save a random Qwen3 and its tokenizer to ``out_dir`` (``save_pretrained``); no hub access.
 
     The tokenizer is ``tokenizer`` when given, else a byte-level BPE trained here on ``texts``
@@ -56,9 +57,12 @@ def build_tiny_qwen3(out_dir: str | os.PathLike, *, texts: Sequence[str] | None 
     budget); the other tokens' logits get a standard deviation of 2 so the distribution is not flat.
     Unset, EOS is as likely as any token (about 1/vocab) and nearly every response runs to its
     budget. Deterministic for a given ``seed``.
+
+    ``num_experts`` > 0 builds a Qwen3-MoE instead (every layer sparse, ``experts_per_token`` experts
+    routed per token, expert width ``hidden_size // 2``): what routing replay is tested on.
     """
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -68,14 +72,29 @@ def build_tiny_qwen3(out_dir: str | os.PathLike, *, texts: Sequence[str] | None 
     if eos_id is None:
         raise ValueError("the tokenizer has no eos_token")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    config = Qwen3Config(
+    common = dict(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         head_dim=head_dim, max_position_embeddings=4096, tie_word_embeddings=False, torch_dtype="float32",
         bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id,
     )
+    if num_experts > 0:
+        if not 1 <= experts_per_token <= num_experts:
+            raise ValueError(f"experts_per_token must lie in [1, {num_experts}], got {experts_per_token}")
+        config = Qwen3MoeConfig(**common, num_experts=num_experts, num_experts_per_tok=experts_per_token,
+                                moe_intermediate_size=max(1, hidden_size // 2), decoder_sparse_step=1,
+                                mlp_only_layers=[], norm_topk_prob=True)
+        model_cls = Qwen3MoeForCausalLM
+    else:
+        config, model_cls = Qwen3Config(**common), Qwen3ForCausalLM
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).eval()
+    model = model_cls(config).eval()
+    if num_experts > 0:
+        # initialised at std 0.02, the router's logits are nearly equal and its top-k a near tie that
+        # any two float32 implementations may break differently; std 2/sqrt(hidden) spreads them
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.normal_(0.0, 2.0 / hidden_size ** 0.5)
     if eos_rate is not None:
         if not 0.0 < eos_rate < 1.0:
             raise ValueError(f"eos_rate must lie in (0, 1), got {eos_rate}")
@@ -118,7 +137,11 @@ def _shape_eos(model: Any, eos_id: int, eos_rate: float, seed: int) -> None:
         emb[:, 0] = emb[:, 1:].norm(dim=1).mean()
         for layer in inner.layers:
             layer.self_attn.o_proj.weight[0, :] = 0
-            layer.mlp.down_proj.weight[0, :] = 0
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is not None:  # MoE: the fused experts' down projections, [experts, hidden, width]
+                experts.down_proj[:, 0, :] = 0
+            else:
+                layer.mlp.down_proj.weight[0, :] = 0
         head = model.lm_head.weight
         head[:, 0] = 0
         head[eos_id] = 0

@@ -23,14 +23,14 @@ def _run(cfg: dict) -> tuple[int, list[dict]]:
     return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines()]
 
 
-def kill_and_restart(tmp_path, prompts, loop, point, slime="standin", shuffle=False) -> None:
+def kill_and_restart(tmp_path, prompts, loop, point, slime="standin", shuffle=False, replay=False) -> None:
     """Kill save KILLED_SAVE at ``point`` under ``loop``'s order (slime's ``train.py``: generate N,
     save N; ``train_async.py``: generate N+1 before save N), restart from checkpoint KILLED_SAVE (or,
     refused by name when its state was not committed, from the one before), and check the ledger:
     every group handed out is trained exactly once or still buffered, and the restored buffer is
-    exactly the checkpoint's."""
+    exactly the checkpoint's (with ``replay``: the partials' routed experts and top-p kept ids too)."""
     cfg = {"prompts": prompts, "ckpt": str(tmp_path / "ckpt"), "loop": loop, "point": point,
-           "kill_save": KILLED_SAVE, "restart": False, "shuffle": shuffle, "slime": slime}
+           "kill_save": KILLED_SAVE, "restart": False, "shuffle": shuffle, "slime": slime, "replay": replay}
     rc, first = _run(cfg)
     assert rc == -9 and not any(e["kind"] == "finished" for e in first), "the save was not killed"
     rc, second = _run({**cfg, "restart": True})
@@ -50,6 +50,8 @@ def kill_and_restart(tmp_path, prompts, loop, point, slime="standin", shuffle=Fa
     assert not [f for f in restored["files"] if f.endswith(".tmp")], "a killed save's .tmp file was left"
     saved = next(e["buffer"] for e in first if e["kind"] == "state" and e["step"] == restored["step"])
     assert restored["buffer"] == saved, "the restored buffer differs from the checkpoint's"
+    partials = [t for g in saved["groups"] for t in g["trajectories"] if t["response_ids"]]
+    assert partials and all((t["replay"] is not None) == replay for t in partials)
 
     # ledger: the model of checkpoint R trained steps <= R of the first run, then the second run's
     trained = [uid for e in first if e["kind"] == "step" and e["step"] <= restored["step"]

@@ -26,7 +26,11 @@ if slime_standin.install(_Patch(), force=cfg["slime"] == "standin") == "real":
 from april_slime import rollout  # noqa: E402
 from april_slime.core import checkpoint  # noqa: E402
 from april_slime.core.jsonfile import StateFileError  # noqa: E402
+from april_slime.core.replay import SegmentReplay, int32_bytes  # noqa: E402
 from april_slime.core.types import TrajectoryStatus  # noqa: E402
+
+# with "replay": a MoE job with routing and top-p replay (rows of 2 layers x top-2, two kept ids a token)
+REPLAY = dict(use_rollout_routing_replay=True, num_layers=2, moe_router_topk=2, rollout_top_p=0.9)
 
 args = SimpleNamespace(
     prompt_data=cfg["prompts"], input_key="prompt", label_key=None, rollout_global_dataset=True,
@@ -35,11 +39,25 @@ args = SimpleNamespace(
     hf_checkpoint="toy", rollout_seed=1, rollout_shuffle=cfg["shuffle"], n_samples_per_prompt=2,
     rollout_batch_size=3, over_sampling_batch_size=3, rollout_max_response_len=16, rollout_top_p=1.0,
     save=cfg["ckpt"], load=cfg["ckpt"] if cfg["restart"] else None, april_policy="april")
+for key, value in (REPLAY if cfg.get("replay") else {}).items():
+    setattr(args, key, value)
 source = rollout.AprilDataSource(args)
 
 
 def emit(kind, **values):
-    print(json.dumps({"kind": kind, **values}), flush=True)
+    print(json.dumps({"kind": kind, **values}, default=lambda b: bytes(b).hex()), flush=True)
+
+
+def replay_of(t, tokens, k):
+    """What an engine would send with ``tokens`` more tokens of ``t``: rows of the positions after
+    the ones ``t`` holds, two kept ids per token."""
+    if not cfg.get("replay"):
+        return None
+    start, end = t.replay_rows, len(t.input_ids()) + len(tokens) - 1
+    rows = int32_bytes([(k + p + j) % 8 for p in range(start, end) for j in range(4)])
+    return SegmentReplay(routed_start=start, routed=rows, routed_width=4,
+                         top_p_ids=int32_bytes([x for tok in tokens for x in (tok, k)]),
+                         top_p_counts=int32_bytes([2] * len(tokens)))
 
 
 def step(k):
@@ -50,7 +68,7 @@ def step(k):
     emit("step", step=k, trained=[g.uid for g in groups[:3]], handed_out=[g.uid for g in groups])
     partial = groups[3]
     t = partial.trajectories[0]
-    t.append([5 + k, 6 + k], [-0.5, -0.25], version)
+    t.append([5 + k, 6 + k], [-0.5, -0.25], version, None, replay_of(t, [5 + k, 6 + k], k))
     t.status, t.finish_reason = TrajectoryStatus.ABORTED, "abort"
     source.buffer.put(partial)
     source.policy_version = version

@@ -67,7 +67,7 @@ def loop_run(coro):
 class Cluster:
     """Emulated SGLang engines + router over loopback HTTP, started on slime's persistent loop."""
 
-    def __init__(self, num_engines: int = 2, seed: int = 7, length=None):
+    def __init__(self, num_engines: int = 2, seed: int = 7, length=None, replay=None):
         from april_slime.workbench.emulator.cluster import EmulatorCluster
         from april_slime.workbench.emulator.config import EngineConfig
         from april_slime.workbench.emulator.model import LengthModel, SyntheticLM
@@ -78,9 +78,10 @@ class Cluster:
             length = LengthModel(median_tokens=24.0, prompt_sigma=0.6, truncation_fraction=0.1)
         model = SyntheticLM(seed=seed, length=length)
         # a starved test process pauses the engines with it (max_lag_s), so a loaded machine does not
-        # turn the time it lost into a burst of finished requests that leaves no partial to resume
+        # turn the time it lost into a burst of finished requests that leaves no partial to resume;
+        # ``replay`` (an ``EmulatedReplay``): engines that return routed experts / top-p kept ids
         self.emulator = EmulatorCluster(num_engines, model=model,
-                                        engine_config=EngineConfig(time_scale=20.0, max_lag_s=0.25))
+                                        engine_config=EngineConfig(time_scale=20.0, max_lag_s=0.25), replay=replay)
 
         async def start():
             await self.emulator.start()

@@ -11,6 +11,7 @@ from april_slime.core.transport import TransportHTTPError
 from .batching import EmulatedEngine
 from .config import EngineConfig
 from .model import SyntheticLM
+from .replay import EmulatedReplay
 from .server import EngineHandler, Handler, HttpServer, RouterHandler, bind_socket, wire_form
 
 LOCAL_ROUTER_URL = "http://emulator-router"
@@ -28,7 +29,8 @@ class EmulatorCluster:
     """
 
     def __init__(self, num_engines: int = 1, *, model: SyntheticLM | None = None,
-                 engine_config: EngineConfig | None = None, seed: int = 0):
+                 engine_config: EngineConfig | None = None, seed: int = 0,
+                 replay: EmulatedReplay | None = None):
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         if model is not None and seed != 0:
@@ -37,7 +39,7 @@ class EmulatorCluster:
         self.engine_config = engine_config or EngineConfig()
         self.engines = [EmulatedEngine(self.model, self.engine_config, name=f"engine-{i}")
                         for i in range(num_engines)]
-        self.engine_handlers = [EngineHandler(e) for e in self.engines]
+        self.engine_handlers = [EngineHandler(e, replay) for e in self.engines]
         self.engine_urls = [local_engine_url(i) for i in range(num_engines)]
         self.router_url = LOCAL_ROUTER_URL
         self.router_handler = RouterHandler(self.engine_handlers, self.engine_urls)

@@ -23,6 +23,7 @@ from aiohttp import web
 from april_slime.core.sglang_protocol import LogprobArrays, check_token_ids
 
 from .batching import AdmissionRefused, EmulatedEngine, EngineStopped
+from .replay import EmulatedReplay
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params omits it
 SGLANG_VERSION = "0.5.23"  # the protocol version spoken (tests/data/sglang-0.5.23-golden.json)
@@ -85,8 +86,9 @@ class EngineHandler:
     """The native SGLang endpoints of one emulated engine, replying as SGLang 0.5.23 does
     (tests/test_emulator.py checks the replies against ones recorded from the real engine)."""
 
-    def __init__(self, engine: EmulatedEngine):
+    def __init__(self, engine: EmulatedEngine, replay: EmulatedReplay | None = None):
         self.engine = engine
+        self.replay = replay  # routed experts / top-p kept ids, when the engine emulates them
 
     async def handle(self, method: str, path: str, payload: Any) -> tuple[int, dict | None]:
         route = _ENGINE_ROUTES.get(path.rstrip("/") or "/")
@@ -120,7 +122,10 @@ class EngineHandler:
                 reply["meta_info"]["output_token_logprobs"] = []
         else:
             reply = await self.engine.generate(**request)
-        return sglang_generate_reply(reply, request["return_logprob"], self.engine.weight_version)
+        out = sglang_generate_reply(reply, request["return_logprob"], self.engine.weight_version)
+        if self.replay is not None:
+            self.replay.annotate(out["meta_info"], payload, out["output_ids"], self.engine.model.vocab_size)
+        return out
 
     async def _abort(self, payload: Any) -> None:
         body = _require_dict(payload, "abort_request")

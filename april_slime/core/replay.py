@@ -1,0 +1,246 @@
+"""Per-token data a slime job replays in training, carried with a trajectory across its segments.
+
+Two kinds, as SGLang returns them and slime's ``Sample`` keeps them:
+
+* **routed experts** (``--use-rollout-routing-replay``): for every position ``i`` of prompt + response
+  but the last, the experts each MoE layer routed ``i`` to (``layers x topk`` int32): the routing
+  of the forward pass whose logits at ``i`` sampled token ``i + 1``. SGLang sends positions
+  ``[routed_experts_start_len, prompt + output - 1)`` as base64 of little-endian int32
+  (``meta_info.routed_experts``), and honours ``routed_experts_start_len`` without echoing it.
+* **top-p kept token ids** (``--rollout-top-p`` < 1, with slime's SGLang top-p patch): for every
+  response token, the ids of the nucleus it was sampled from (``meta_info.top_p_token_ids`` and
+  ``top_p_token_offsets``, base64 int32; slime's trainer renormalises its log-probs over them).
+
+**Stitching.** A resumed call sends prompt + partial response and generates the rest. Row ``i``
+belongs to the segment that sampled token ``i + 1``, so rows ``[0, prompt + partial - 1)`` are the
+earlier segments' and the resume supplies the others (it is asked for just those, with
+``routed_experts_start_len``). The engine's own rows for old positions are never used: once a
+weight update has flushed its prefix cache they are recomputed under the new weights and are not
+the routing that generated those tokens. Top-p sets are per response token and simply concatenate.
+A count that does not add up raises ``ValueError`` naming both sides; nothing is half-applied.
+
+**Storage.** Raw little-endian int32 bytes (rows x layers x topk x 4 for the experts): a Python
+list of ints would take about nine times the memory. ``to_dict`` hands out immutable ``bytes``
+copies, so a buffer snapshot (taken every step) costs a memory copy; the checkpoint writer turns
+them into base64 only when it saves (``core.checkpoint``), and ``from_dict`` reads either. Top-p
+sets are kept as kept ids plus one count per token (concatenation and truncation need no offset
+arithmetic); slime's offsets are their prefix sums.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import sys
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+INT32 = 4  # bytes per stored value
+
+
+@dataclass(frozen=True)
+class ReplaySpec:
+    """What a job replays: routed experts of ``routed_layers x routed_topk`` per position (0: none),
+    and whether every response token carries its top-p kept ids."""
+
+    routed_layers: int = 0
+    routed_topk: int = 0
+    top_p: bool = False
+
+    @property
+    def routed(self) -> bool:
+        return self.routed_layers > 0
+
+    @property
+    def routed_width(self) -> int:
+        """int32 values per routed-experts row."""
+        return self.routed_layers * self.routed_topk
+
+    @property
+    def active(self) -> bool:
+        return self.routed or self.top_p
+
+
+NO_REPLAY = ReplaySpec()
+
+
+# ---------------------------------------------------------------- int32 bytes
+def int32_values(raw: bytes | bytearray) -> array:
+    """Little-endian int32 bytes -> ``array('i')`` (native order)."""
+    values = array("i")
+    values.frombytes(bytes(raw))
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values
+
+
+def int32_bytes(values: Any) -> bytes:
+    """Integers -> little-endian int32 bytes."""
+    out = values if isinstance(values, array) and values.typecode == "i" else array("i", values)
+    if sys.byteorder == "big":
+        out = array("i", out)
+        out.byteswap()
+    return out.tobytes()
+
+
+def decode_int32(value: Any, what: str) -> bytes:
+    """An int32 array as an engine sends it (base64 of little-endian int32, or a list of ints) ->
+    little-endian bytes. Raises ``ValueError`` naming ``what``."""
+    if isinstance(value, str):
+        try:
+            raw = base64.b64decode(value.encode("ascii"), validate=True)
+        except (binascii.Error, UnicodeEncodeError) as e:
+            raise ValueError(f"{what} is not base64: {e}") from None
+        if len(raw) % INT32:
+            raise ValueError(f"{what} holds {len(raw)} bytes, not whole int32 values")
+        return raw
+    if isinstance(value, list) and all(type(v) is int for v in value):
+        try:
+            return int32_bytes(value)
+        except OverflowError:
+            raise ValueError(f"{what} holds a value outside int32") from None
+    raise ValueError(f"{what} is neither base64 nor a list of integers: {type(value).__name__}")
+
+
+def _copy(raw: bytes | bytearray | None) -> bytes | None:
+    return None if raw is None else bytes(raw)
+
+
+def _read(value: str | bytes | None, what: str) -> bytearray | None:
+    """A saved int32 array: ``bytes`` (an in-memory state) or base64 (a checkpoint file)."""
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        if len(value) % INT32:
+            raise ValueError(f"{what} holds {len(value)} bytes, not whole int32 values")
+        return bytearray(value)
+    return bytearray(decode_int32(value, what))
+
+
+# ---------------------------------------------------------------- one reply, one trajectory
+@dataclass
+class SegmentReplay:
+    """What one reply adds: the routed experts of positions ``[routed_start, input + output - 1)``
+    and the top-p kept ids of each output token (ids, and one count per token)."""
+
+    routed_start: int = 0
+    routed: bytes | None = None
+    routed_width: int = 0
+    top_p_ids: bytes | None = None
+    top_p_counts: bytes | None = None
+
+
+@dataclass
+class TokenReplay:
+    """A trajectory's replay data: routed experts of positions ``[0, routed_rows)`` (``routed_width``
+    int32 per row), and the top-p kept ids of its first ``top_p_tokens`` response tokens."""
+
+    routed_width: int = 0
+    routed: bytearray | None = None
+    top_p_ids: bytearray | None = None
+    top_p_counts: bytearray | None = None
+
+    @property
+    def routed_rows(self) -> int:
+        return len(self.routed) // (INT32 * self.routed_width) if self.routed and self.routed_width else 0
+
+    @property
+    def top_p_tokens(self) -> int:
+        return len(self.top_p_counts) // INT32 if self.top_p_counts is not None else 0
+
+    def covers(self, spec: ReplaySpec, prompt_len: int, response_len: int) -> str | None:
+        """None when this holds what ``spec`` asks for a trajectory of that length, else what is
+        missing, in words."""
+        if spec.routed:
+            want = prompt_len + response_len - 1 if response_len else 0
+            if self.routed is None or self.routed_width != spec.routed_width:
+                if want:
+                    return f"no routed experts of {spec.routed_layers}x{spec.routed_topk} per position"
+            elif self.routed_rows != want:
+                return f"routed experts of {self.routed_rows} positions, not {want}"
+        if spec.top_p and self.top_p_tokens != response_len:
+            return f"top-p kept ids of {self.top_p_tokens} response tokens, not {response_len}"
+        return None
+
+    def extend(self, seg: SegmentReplay, *, input_len: int, response_len: int, new_tokens: int) -> None:
+        """Add one reply of ``new_tokens`` tokens to a trajectory that held ``response_len``
+        response tokens and sent ``input_len`` ids. Checked whole before anything changes."""
+        if new_tokens == 0:
+            return
+        routed = None
+        if seg.routed is not None:
+            if self.routed_width != seg.routed_width and self.routed_rows:
+                raise ValueError(f"routed experts of {seg.routed_width} int32 per position for a trajectory "
+                                 f"that holds rows of {self.routed_width}")
+            width = seg.routed_width * INT32
+            held = self.routed_rows
+            keep = min(held, input_len - 1)
+            if response_len and held < input_len - 1:
+                raise ValueError(f"routed experts are held for {held} of the {input_len - 1} positions "
+                                 "before this call; the generated tokens' routing is unknown")
+            end = input_len + new_tokens - 1
+            rows = len(seg.routed) // width
+            if seg.routed_start > keep or seg.routed_start + rows != end:
+                raise ValueError(f"routed experts of positions [{seg.routed_start}, {seg.routed_start + rows}) "
+                                 f"do not continue the {keep} positions held up to position {end}")
+            routed = (keep, seg.routed[(keep - seg.routed_start) * width:])
+        if seg.top_p_counts is not None:
+            if len(seg.top_p_counts) != new_tokens * INT32:
+                raise ValueError(f"top-p kept ids of {len(seg.top_p_counts) // INT32} tokens for "
+                                 f"{new_tokens} new tokens")
+            if self.top_p_tokens != response_len:
+                raise ValueError(f"top-p kept ids are held for {self.top_p_tokens} of the {response_len} "
+                                 "response tokens before this call")
+        if routed is not None:
+            keep, rows = routed
+            if self.routed is None:
+                self.routed = bytearray()
+            self.routed_width = seg.routed_width
+            del self.routed[keep * self.routed_width * INT32:]
+            self.routed += rows
+        if seg.top_p_counts is not None:
+            if self.top_p_counts is None:
+                self.top_p_ids, self.top_p_counts = bytearray(), bytearray()
+            self.top_p_ids += seg.top_p_ids or b""
+            self.top_p_counts += seg.top_p_counts
+
+    def truncate(self, prompt_len: int, response_len: int) -> None:
+        """Keep what covers the first ``response_len`` response tokens."""
+        if self.routed is not None:
+            rows = prompt_len + response_len - 1 if response_len else 0
+            del self.routed[rows * self.routed_width * INT32:]
+        if self.top_p_counts is not None:
+            counts = int32_values(self.top_p_counts[:response_len * INT32])
+            del self.top_p_counts[response_len * INT32:]
+            del self.top_p_ids[sum(counts) * INT32:]
+
+    def top_p_offsets(self) -> list[int]:
+        """slime's ``rollout_top_p_token_offsets``: 0, then the running total of kept ids."""
+        offsets, total = [0], 0
+        for count in int32_values(self.top_p_counts or b""):
+            total += count
+            offsets.append(total)
+        return offsets
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data but for the arrays, which are ``bytes`` (see the module docstring)."""
+        return {"routed_width": self.routed_width, "routed": _copy(self.routed),
+                "top_p_ids": _copy(self.top_p_ids), "top_p_counts": _copy(self.top_p_counts)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TokenReplay":
+        replay = cls(routed_width=int(d.get("routed_width", 0)),
+                     routed=_read(d.get("routed"), "replay.routed"),
+                     top_p_ids=_read(d.get("top_p_ids"), "replay.top_p_ids"),
+                     top_p_counts=_read(d.get("top_p_counts"), "replay.top_p_counts"))
+        if replay.routed is not None and (not replay.routed_width
+                                          or len(replay.routed) % (INT32 * replay.routed_width)):
+            raise ValueError(f"replay.routed: {len(replay.routed)} bytes are not rows of "
+                             f"{replay.routed_width} int32")
+        if (replay.top_p_ids is None) != (replay.top_p_counts is None):
+            raise ValueError("replay: top-p kept ids without their counts (or the reverse)")
+        if replay.top_p_counts is not None and sum(int32_values(replay.top_p_counts)) * INT32 != len(
+                replay.top_p_ids):
+            raise ValueError("replay: top-p counts do not add up to the kept ids")
+        return replay
