@@ -472,8 +472,6 @@ class EngineClient:
             versions = [r for r in replies if not isinstance(r, BaseException)]
             if versions:
                 return max(versions)
-            if not replies:
-                raise EngineError(f"router {engine_url} lists no engine to report a weight version")
             raise next(r for r in replies if isinstance(r, BaseException))
         path = "/get_weight_version"
         try:
