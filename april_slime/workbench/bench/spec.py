@@ -42,9 +42,13 @@ class EngineSpec:
     * scheduling: ``engine="sglang"`` admits with SGLang's decaying new-token ratio and retracts
       the request with the fewest output tokens to the back of the queue; ``"vllm"`` admits what
       fits now and preempts the newest request to the front (recompute), as vLLM does.
-    * training phase per step: ``train_fixed_s`` + ``train_s_per_token`` x trained tokens, the
-      latter derived from ``train_flops_per_token_param`` x params / (all GPUs x bf16 x ``train_mfu``)
-      unless pinned.
+    * training phase per step (``train_time``): ``train_fixed_s`` + ``train_s_per_token`` x trained
+      tokens (prompt + response), the latter derived unless pinned: the update's
+      ``train_flops_per_token_param`` x params at ``train_mfu`` plus the log-prob forward's
+      ``logprob_flops_per_token_param`` x params at ``logprob_mfu``, over all GPUs of the job; and,
+      where the trainer recomputes log-probs of the partials it buffers (``logprob_buffered``:
+      CoPRIS' veRL trainer; slime and this plugin compute them for the trained batch only),
+      ``logprob_s_per_token`` x the response tokens the buffer holds, a cost that grows with N'.
 
     Any derived value can be pinned directly (``decode_t0`` ... ``kv_capacity_tokens``) when it was
     measured on the target hardware (``april-slime calibrate`` writes such a spec).
@@ -82,9 +86,13 @@ class EngineSpec:
     eager_step_extra_s: float = 2e-3
     abort_latency_s: float = 0.02
     # ---- training phase (colocated: the engines are idle meanwhile)
-    train_s_per_token: float | None = None
-    train_flops_per_token_param: float = 8.0  # 6 (forward + backward) + 2 (old log-probs)
+    train_s_per_token: float | None = None  # pinned: update + log-probs per trained token
+    train_flops_per_token_param: float = 6.0  # the update: forward + backward
     train_mfu: float = 0.35
+    logprob_flops_per_token_param: float = 2.0  # one forward for the old log-probs
+    logprob_mfu: float | None = None  # None: train_mfu
+    logprob_s_per_token: float | None = None  # pinned: log-prob forward per token
+    logprob_buffered: bool = False  # log-probs also recomputed for the buffered partials every step
     train_fixed_s: float = 8.0
     # ---- measured values that replace the derived ones (None: derive)
     decode_t0: float | None = None
@@ -117,8 +125,8 @@ class EngineSpec:
             if getattr(self, name) <= 0:
                 raise ValueError(f"engine spec {name} must be > 0")
         for name in ("mem_fraction_static", "bandwidth_efficiency", "decode_flops_efficiency",
-                     "prefill_flops_efficiency", "train_mfu"):
-            if not 0 < getattr(self, name) <= 1:
+                     "prefill_flops_efficiency", "train_mfu", "logprob_mfu"):
+            if getattr(self, name) is not None and not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"engine spec {name} must be in (0, 1], got {getattr(self, name)}")
         if self.engine not in ENGINE_KINDS:
             raise ValueError(f"engine spec engine must be one of {ENGINE_KINDS}, got {self.engine!r}")
@@ -191,14 +199,29 @@ class EngineSpec:
                             max_running_requests=self.max_running_requests, time_scale=time_scale,
                             abort_latency_s=self.abort_latency_s, **scheduling)
 
+    def logprob_seconds_per_token(self) -> float:
+        """One log-prob forward per token, over every GPU of the job."""
+        if self.logprob_s_per_token is not None:
+            return float(self.logprob_s_per_token)
+        mfu = self.logprob_mfu if self.logprob_mfu is not None else self.train_mfu
+        return self.logprob_flops_per_token_param * self.params / (self.num_gpus * self.bf16_flops * mfu)
+
     def train_seconds_per_token(self) -> float:
+        """Update and log-prob forward per trained token."""
         if self.train_s_per_token is not None:
             return float(self.train_s_per_token)
-        return self.train_flops_per_token_param * self.params / (
+        update = self.train_flops_per_token_param * self.params / (
             self.num_gpus * self.bf16_flops * self.train_mfu)
+        return update + self.logprob_seconds_per_token()
 
-    def train_time(self, trained_tokens: int) -> float:
-        return self.train_fixed_s + self.train_seconds_per_token() * trained_tokens
+    def train_parts(self, trained_tokens: int, buffered_tokens: int = 0) -> dict[str, float]:
+        """The training phase of one step: ``fixed``, ``trained`` (update and log-probs of the
+        trained batch) and ``buffered`` (log-probs of the buffer's partials, ``logprob_buffered``)."""
+        return {"fixed": self.train_fixed_s, "trained": self.train_seconds_per_token() * trained_tokens,
+                "buffered": (self.logprob_seconds_per_token() * buffered_tokens if self.logprob_buffered else 0.0)}
+
+    def train_time(self, trained_tokens: int, buffered_tokens: int = 0) -> float:
+        return sum(self.train_parts(trained_tokens, buffered_tokens).values())
 
     def describe(self) -> dict[str, Any]:
         tm = self.time_model()
@@ -208,6 +231,7 @@ class EngineSpec:
             "kv_capacity_tokens": self.kv_capacity(), "time_model": asdict(tm),
             "single_stream_tokens_per_s": 1.0 / tm.decode_step(1, 1000),
             "train_s_per_token": self.train_seconds_per_token(), "train_fixed_s": self.train_fixed_s,
+            "logprob_s_per_buffered_token": self.logprob_seconds_per_token() if self.logprob_buffered else 0.0,
             "spec": asdict(self),
         }
 
