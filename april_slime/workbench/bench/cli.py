@@ -225,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         from .reproduce import main as reproduce_main
 
         return reproduce_main(argv[1:])
+    if argv and argv[0] == "report":
+        from .docs_report import main as report_main
+
+        return report_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         workload, spec, notes = _configure(args)

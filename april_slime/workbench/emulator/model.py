@@ -166,29 +166,25 @@ class LengthModel:
         return asdict(self)
 
 
+# The spread within a prompt's group, shared by every fitted law: with it the DAPO-Math law's
+# within-group standard deviation is the < 1,500 tokens APRIL measured for GRPO (§3.2.3, fig. 8).
+_GROUP_SPREAD = dict(sample_sigma=0.1, shape=4.0, truncation_fraction=0.02, truncation_prompt_correlation=0.8)
+
 LENGTH_PRESETS: dict[str, LengthModel] = {
     "default": LengthModel(),
-    # DAPO-Math-17k on Qwen3-4B with a 16K response budget: a long tail across prompts and a few
-    # percent of samples never stopping. median_tokens is fitted on APRIL's GRPO row (bench
-    # reproduce --fit; docs/calibration/): 8K, longer than APRIL §3.2 describes, see docs/bench.md.
-    "dapo-math-qwen3-4b-16k": LengthModel(
-        median_tokens=8000.0, prompt_sigma=0.75, sample_sigma=0.3, shape=3.5,
-        truncation_fraction=0.06, truncation_prompt_correlation=0.8),
-    # The same law with the median APRIL §3.2 describes ("more than half of the responses end
-    # within a few thousand tokens"): what the fit above would be if the model lacked nothing.
-    "dapo-math-as-described": LengthModel(
-        median_tokens=3500.0, prompt_sigma=0.75, sample_sigma=0.3, shape=3.5,
-        truncation_fraction=0.06, truncation_prompt_correlation=0.8),
+    # The benchmark's laws: each one's median and tail across prompts (prompt_sigma) are fitted
+    # jointly on its fit rows and, for the APRIL laws, APRIL's length statistics (batch spread
+    # 4,000-4,500 tokens, within-group < 1,500, ~40% carried-over tokens): `april-slime bench
+    # reproduce --fit`, docs/calibration/fit.json, docs/bench.md.
+    # DAPO-Math-17k on Qwen3 at a 16K budget (APRIL, the headline, the verl recipe).
+    "dapo-math-qwen3-4b-16k": LengthModel(median_tokens=4000.0, prompt_sigma=0.86, **_GROUP_SPREAD),
+    # DeepMath-103K on Qwen3 at 16K (APRIL fig. 4, fitted on its Qwen3-4B GRPO row).
+    "deepmath-qwen3-16k": LengthModel(median_tokens=4000.0, prompt_sigma=0.86, **_GROUP_SPREAD),
     # DeepScaleR-Preview (AIME/AMC/Omni-MATH/STILL problems) for the reasoning models CoPRIS
-    # trained: R1-Distill-Qwen (1.5B/7B) and Qwen3-8B in thinking mode. Same shape of law as
-    # above (heavy tail across prompts, a few percent never stopping); ``median_tokens`` is the
-    # one value fitted to a published figure (docs/bench.md, "Reproducing the papers").
-    "deepscaler-r1-distill": LengthModel(  # fitted on CoPRIS tab. 1, Distill-Qwen-7B
-        median_tokens=4500.0, prompt_sigma=0.75, sample_sigma=0.3, shape=3.5,
-        truncation_fraction=0.06, truncation_prompt_correlation=0.8),
-    "deepscaler-qwen3-8b": LengthModel(  # fitted on CoPRIS fig. 3a at 8K
-        median_tokens=8500.0, prompt_sigma=0.75, sample_sigma=0.3, shape=3.5,
-        truncation_fraction=0.06, truncation_prompt_correlation=0.8),
+    # trained: R1-Distill-Qwen (1.5B/7B; fitted on CoPRIS tab. 1's 7B step times) and Qwen3-8B in
+    # thinking mode (fitted on tab. 1's Qwen3-8B step times).
+    "deepscaler-r1-distill": LengthModel(median_tokens=4500.0, prompt_sigma=0.75, **_GROUP_SPREAD),
+    "deepscaler-qwen3-8b": LengthModel(median_tokens=8500.0, prompt_sigma=0.75, **_GROUP_SPREAD),
     # Short responses for tests and quick runs.
     "short": LengthModel(median_tokens=48.0, prompt_sigma=0.6, sample_sigma=0.2, shape=5.0,
                          truncation_fraction=0.05, truncation_prompt_correlation=0.9),
