@@ -80,8 +80,8 @@ def test_default_grid_reaches_the_bench_regime():
     assert all(b * (c + 16) <= 0.9 * preset.kv_capacity() for b, c in points)
     # a small engine: the running limit and the context bound the grid, nothing overflows the pool
     small = plan_grid(None, None, capacity=32768, max_running=16, context_len=4096, decode_tokens=12)
-    assert {b for b, _ in small} == {1, 4, 16} and max(c for _, c in small) <= 4096 - 13
-    assert all(b * (c + 12) <= 0.9 * 32768 for b, c in small)
+    assert {b for b, _ in small} == {1, 4, 16} and max(c + 8 * 12 for _, c in small) <= 4096 - 2
+    assert all(b * (c + 8 * 12) <= 0.9 * 32768 for b, c in small)
 
 
 def test_spec_counts_every_gpu_of_an_engine():

@@ -107,24 +107,30 @@ class _Engine:
         return int(sum(e.get("num_running_reqs", 0) for e in entries))
 
 
+MAX_TOKEN_GROWTH = 8  # a point whose steps come out free is measured again with up to 8 x the tokens
+
+
 def plan_grid(batches: Sequence[int] | None, contexts: Sequence[int] | None, *, capacity: int,
               max_running: int | None, context_len: int | None, decode_tokens: int,
               fill: float = 0.8) -> list[tuple[int, int]]:
     """The (batch, prompt tokens) points to measure. ``None`` picks the default, which reaches the
     bench's regime: batches 1, 4, 16, 64, 256 within the running-request limit (and the limit
     itself when it is lower), contexts 64 and 1,024 and, per batch, the context that fills ``fill``
-    of the KV pool. A point whose batch would not fit in the pool is left out."""
+    of the KV pool. Room is kept for a point measured again with ``MAX_TOKEN_GROWTH`` x the
+    tokens (within the context, SGLang ends a request 2 tokens short of it; within the pool); a
+    point whose batch would not fit in the pool is left out."""
     limit = max_running or 256
     if batches is None:
         batches = sorted({b for b in (1, 4, 16, 64, 256) if b <= limit} | ({limit} if limit < 256 else set()))
-    longest = (context_len or 1 << 30) - decode_tokens - 1
+    most = MAX_TOKEN_GROWTH * decode_tokens
+    longest = (context_len or 1 << 30) - most - 16
     points: list[tuple[int, int]] = []
     for batch in batches:
-        fill_context = int(fill * capacity / batch) - decode_tokens
+        fill_context = int(fill * capacity / batch) - most
         wanted = list(contexts) if contexts is not None else [64, 1024, fill_context]
         for context in sorted(set(wanted)):
             context = min(context, longest)
-            if context >= 1 and batch * (context + decode_tokens) <= 0.9 * capacity and (batch, context) not in points:
+            if context >= 1 and batch * (context + most) <= 0.9 * capacity and (batch, context) not in points:
                 points.append((batch, context))
     return points
 
@@ -249,13 +255,13 @@ async def measure(url: str, *, batches: Sequence[int] | None = None, contexts: S
             # Two lengths, both long enough for the whole batch to be running: the requests
             # arrive and are prefilled one after another, and that staggered start cancels out.
             # Noise larger than the steps (a loaded machine) shows as free steps: measure again
-            # with more tokens, up to 8 x.
+            # with more tokens, up to MAX_TOKEN_GROWTH x.
             tokens = decode_tokens
             while True:
                 short = max(2, tokens // 3)
                 full = await fastest(batch, context, tokens)
                 first = await fastest(batch, context, short)
-                if full > first or tokens >= 8 * decode_tokens:
+                if full > first or tokens >= MAX_TOKEN_GROWTH * decode_tokens:
                     break
                 tokens *= 2
             if full <= first:

@@ -197,7 +197,26 @@ def cpu_engine(spec: dict[str, Any], compare: list[dict[str, Any]]) -> str:
     return text + "\n\n" + _table(["batch x prompt, new tokens", "real", "emulated", "emulated / real"], rows)
 
 
+# ============================================================================ the presets (from code)
+def engine_presets() -> str:
+    from .spec import ENGINE_PRESETS
+
+    rows = []
+    for name, p in ENGINE_PRESETS.items():
+        tm = p.time_model()
+        training = (f"update {p.train_mfu:.0%}, log-probs {p.logprob_mfu or p.train_mfu:.0%} MFU"
+                    + (", + buffered partials" if p.logprob_buffered else "")
+                    + (f", + {p.train_fixed_s:g} s" if p.train_fixed_s else ""))
+        rows.append([f"`{name}`", f"{p.num_engines} x TP{p.gpus_per_engine} {p.gpu or 'GPU'}, {p.engine}, mem "
+                     f"{p.mem_fraction_static:g}" + (", eager" if p.enforce_eager else ""), p.model,
+                     f"{p.kv_capacity():,}", f"{tm.decode_t0 * 1e3:.2f} ms", f"{1.0 / tm.decode_step(1, 1000):,.0f}",
+                     training])
+    return _table(["preset", "GPUs, engine", "model", "KV tokens / engine", "decode_t0", "1-stream tok/s",
+                   "training"], rows)
+
+
 RENDERERS: dict[str, tuple[int, Callable[..., str]]] = {
+    "engine-presets": (0, engine_presets),
     "reproduce-table": (1, reproduce_table), "reproduce-summary": (1, reproduce_summary),
     "reproduce-statistics": (1, reproduce_statistics), "reproduce-absolute": (1, reproduce_absolute),
     "headline": (1, headline), "context-sweep": (1, context_sweep), "multi-turn": (1, multiturn),
@@ -209,6 +228,7 @@ def render(kind: str, paths: list[str], root: str = ".") -> str:
     if kind not in RENDERERS:
         raise ValueError(f"unknown bench-report block {kind!r}; known: {sorted(RENDERERS)}")
     count, function = RENDERERS[kind]
+    paths = [p for p in paths if p != "-"]
     if len(paths) != count:
         raise ValueError(f"bench-report {kind} takes {count} JSON path(s), got {paths}")
     return function(*(_load(root, p) for p in paths))

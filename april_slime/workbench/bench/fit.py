@@ -53,9 +53,9 @@ class LawFit:
 
 FITS = (
     LawFit("dapo-math-qwen3-4b-16k", "APRIL Qwen3-4B GRPO DAPO-Math: april / sync rollout tok/s per GPU",
-           (2000.0, 3500.0, 5000.0, 7000.0, 10000.0)),
+           (2500.0, 4000.0, 6000.0, 9000.0)),
     LawFit("deepmath-qwen3-16k", "APRIL Qwen3-4B GRPO DeepMath: april / sync rollout tok/s per GPU",
-           (2000.0, 3500.0, 5000.0, 7000.0, 10000.0)),
+           (2500.0, 4000.0, 6000.0, 9000.0)),
     LawFit("deepscaler-r1-distill", "CoPRIS tab. 1 Distill-Qwen-7B: veRL / CoPRIS training hours",
            (5000.0, 7000.0, 9500.0), (0.4, 0.65, 0.9)),
     LawFit("deepscaler-qwen3-8b", "CoPRIS tab. 1 Qwen3-8B: veRL / CoPRIS training hours",

@@ -105,12 +105,13 @@ class EngineSpec:
     prefill_per_token_pair: float | None = None
     kv_capacity_tokens: int | None = None
     source: str = ""  # where a measured spec came from (``april-slime calibrate``)
+    gpu: str = ""  # the GPU's name, for the record
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or f.name in ("name", "model", "engine", "source"):
-                if f.name in ("name", "model", "engine", "source") and not isinstance(value, str):
+            if isinstance(value, bool) or f.name in ("name", "model", "engine", "source", "gpu"):
+                if f.name in ("name", "model", "engine", "source", "gpu") and not isinstance(value, str):
                     raise ValueError(f"engine spec {f.name} must be a string, got {value!r}")
                 continue
             if value is None:
@@ -309,7 +310,7 @@ VERL_TRAINING: dict[str, Any] = dict(train_mfu=0.35, logprob_mfu=0.35, train_fix
 
 def _preset(name: str, gpu: str, model: str, num_engines: int, gpus_per_engine: int,
             **kw: Any) -> EngineSpec:
-    return EngineSpec(name=name, model=model, num_engines=num_engines,
+    return EngineSpec(name=name, model=model, num_engines=num_engines, gpu=gpu,
                       gpus_per_engine=gpus_per_engine, **GPUS[gpu], **MODELS[model], **kw)
 
 
