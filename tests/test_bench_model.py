@@ -53,14 +53,15 @@ def test_split_dispatch_sends_each_prompt_to_its_chunk_engine():
         for index in range(16):  # two steps of 8 prompts: chunks of 2 prompts per engine, every step
             for j in range(2):
                 await split.request("POST", urls[3], "/generate", {"rid": f"p{index}/{j}#0"}, 1.0)
-        await split.request("GET", urls[3], "/v1/loads", None, 1.0)  # anything else passes through
+        # anything else passes through: other endpoints, and the scheduler's health probes
+        await split.request("GET", urls[3], "/v1/loads", None, 1.0)
+        await split.request("POST", urls[2], "/generate", {"rid": "april-probe-1f2e"}, 1.0)
 
     run_virtual(go())
-    engines = [urls.index(url) for url, _ in inner.sent[:-1]]
+    engines = [urls.index(url) for url, _ in inner.sent[:-2]]
     assert engines == [(i % 8) // 2 for i in range(16) for _ in range(2)]
-    assert inner.sent[-1][0] == urls[3] and split.routed == [8, 8, 8, 8]
-    with pytest.raises(ValueError, match="bench prompt"):
-        split.engine_of("episode-7#0")
+    assert [url for url, _ in inner.sent[-2:]] == [urls[3], urls[2]] and split.routed == [8, 8, 8, 8]
+    assert split.engine_of("episode-7#0") is None and split.engine_of("p12/3#1") == 2
 
 
 def test_sync_split_waits_for_the_slowest_chunk():

@@ -11,8 +11,9 @@ batch's last requests; ``sync-split`` is the veRL baseline.
 
 ``SplitDispatch`` wraps the bench's transport: every ``/generate`` of prompt ``i`` (rid
 ``p<i>/<j>#<k>``, the bench's synthetic prompts) goes to engine ``(i mod batch) * engines //
-batch``, whatever engine the scheduler picked; everything else passes through. Only a policy
-that submits exactly one batch per step and never aborts (``sync``) can run this way.
+batch``, whatever engine the scheduler picked; everything else passes through (the scheduler's
+health probes included: a probe goes to the engine it names). Only a policy that submits exactly
+one batch per step and never aborts (``sync``) can run this way.
 """
 
 from __future__ import annotations
@@ -31,19 +32,20 @@ class SplitDispatch:
         self.prompts_per_step = prompts_per_step
         self.routed = [0] * len(self.engine_urls)  # requests sent to each engine (checked by tests)
 
-    def engine_of(self, rid: str) -> int:
-        try:
-            index = int(rid.split("/", 1)[0].removeprefix("p"))
-        except ValueError:
-            raise ValueError(f"split dispatch: rid {rid!r} does not name a bench prompt (p<i>/<j>#<k>)") from None
-        return (index % self.prompts_per_step) * len(self.engine_urls) // self.prompts_per_step
+    def engine_of(self, rid: str) -> int | None:
+        """The engine of a bench prompt's request (rid ``p<i>/<j>#<k>``); None for any other rid."""
+        head = rid.split("/", 1)[0]
+        if "/" not in rid or not head.startswith("p") or not head[1:].isdigit():
+            return None
+        return (int(head[1:]) % self.prompts_per_step) * len(self.engine_urls) // self.prompts_per_step
 
     async def request(self, method: str, url: str, path: str, payload: dict | None,
                       timeout_s: float) -> Any:
-        if method == "POST" and path == "/generate" and url.rstrip("/") in self.engine_urls:
-            engine = self.engine_of(str(payload["rid"]))
-            self.routed[engine] += 1
-            url = self.engine_urls[engine]
+        if method == "POST" and path == "/generate" and url.rstrip("/") in self.engine_urls and payload:
+            engine = self.engine_of(str(payload.get("rid", "")))
+            if engine is not None:
+                self.routed[engine] += 1
+                url = self.engine_urls[engine]
         return await self.inner.request(method, url, path, payload, timeout_s)
 
     async def close(self) -> None:
