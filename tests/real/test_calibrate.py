@@ -20,7 +20,7 @@ from tests.support.real_tier import MAX_RUNNING_REQUESTS, MAX_TOTAL_TOKENS
 def test_calibrate_measures_the_real_engine(real_stack, tmp_path, capsys):
     out = os.environ.get("APRIL_CALIBRATE_OUT") or str(tmp_path / "spec.json")
     rc = calibrate_main(["--url", real_stack.router_url, "--out", out, "--decode-tokens", "12",
-                         "--prefill-lengths", "32,512,2048", "--repeats", "2", "--base-preset", "h100-qwen3-4b"])
+                         "--prefill-lengths", "32,512,2048", "--repeats", "3", "--base-preset", "h100-qwen3-4b"])
     assert rc == 0, capsys.readouterr().err
     real_stack.wait_idle()
     spec_json = json.loads(open(out).read())

@@ -20,9 +20,10 @@ What it measures, on one engine (a router's first worker, from ``GET /workers``)
 * abort latency: a long request aborted by rid once the engine reports it running, time until its
   reply is back.
 
-Every measurement is the fastest of ``--repeats`` tries (the machine may be shared; the fastest is
-the least disturbed); a point whose decode steps come out free (noise larger than the steps) is
-measured again with more tokens. Token ids are small (< 100), so any vocabulary takes them: an id
+A decode point is the median over ``--repeats`` tries of a long and a short batch timed back to
+back (a shared machine's slow spell lands on both halves of a try); a point whose decode steps
+come out free (noise larger than the steps) is measured again with more tokens. A prefill point is
+the fastest of its tries (the least disturbed). Token ids are small (< 100), so any vocabulary takes them: an id
 past the vocabulary kills an SGLang engine. The spec JSON keeps the raw grid under ``measurements``.
 """
 
@@ -256,18 +257,25 @@ async def measure(url: str, *, batches: Sequence[int] | None = None, contexts: S
             # arrive and are prefilled one after another, and that staggered start cancels out.
             # Noise larger than the steps (a loaded machine) shows as free steps: measure again
             # with more tokens, up to MAX_TOKEN_GROWTH x.
+            # Each try times the long batch and the short one back to back, and the step is the
+            # median of the tries' differences: a slow spell of a shared machine lands on both
+            # halves of a try rather than on one half of the comparison.
             tokens = decode_tokens
             while True:
                 short = max(2, tokens // 3)
-                full = await fastest(batch, context, tokens)
-                first = await fastest(batch, context, short)
-                if full > first or tokens >= MAX_TOKEN_GROWTH * decode_tokens:
+                pairs = []
+                for _ in range(repeats):
+                    pairs.append((await engine.batch_time(batch, context, tokens),
+                                  await engine.batch_time(batch, context, short)))
+                difference = float(np.median([a - b for a, b in pairs]))
+                if difference > 0 or tokens >= MAX_TOKEN_GROWTH * decode_tokens:
                     break
                 tokens *= 2
-            if full <= first:
+            if difference <= 0:
                 raise CalibrationError(f"decode steps at batch {batch} x {context} tokens measured as free "
                                        f"(noise larger than {tokens} steps): raise --decode-tokens or --repeats")
-            step = (full - first) / (tokens - short)
+            full, first = min(a for a, _ in pairs), min(b for _, b in pairs)
+            step = difference / (tokens - short)
             kv = batch * (context + (tokens + short) / 2.0)
             decode_rows.append([1.0, batch, kv])
             decode_y.append(step)
@@ -402,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs each engine runs on (default: tp x pp x dp from /server_info, else the base preset's)")
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens decoded per grid point (>= 6)")
     p.add_argument("--prefill-lengths", default="64,512,2048", help="prefill grid prompt lengths")
-    p.add_argument("--repeats", type=int, default=2, help="tries per point; the fastest is kept")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="tries per point (decode: the median difference is kept; prefill: the fastest)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP call")
     return p
 
