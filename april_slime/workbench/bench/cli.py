@@ -221,6 +221,10 @@ def _configure(args: argparse.Namespace) -> tuple[Workload, EngineSpec, list[str
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "reproduce" and "--fit" in argv[1:]:
+        from .fit import main as fit_main
+
+        return fit_main(argv[1:])
     if argv and argv[0] == "reproduce":
         from .reproduce import main as reproduce_main
 

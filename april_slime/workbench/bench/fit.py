@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from .laws import solve, statistics, with_fields
-from .reproduce import Row, fill, published_statistic, rows, run_all, tab2_reference
+from .reproduce import Row, fill, parse, published_statistic, rows, run_all, tab2_reference
 from .spec import ENGINE_PRESETS, EngineSpec
 
 RATIO_TOLERANCE = 0.05
@@ -183,6 +183,15 @@ def _field(law: str, name: str) -> float:
     from april_slime.workbench.emulator import LengthModel
 
     return getattr(LengthModel.parse(law), name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``april-slime bench reproduce --fit``."""
+    parsed = parse(argv)
+    if parsed is None:
+        return 2
+    args, _ = parsed
+    return main_fit(args.jobs, args.steps_scale, args.laws.split(",") if args.laws else None, args.json)
 
 
 def main_fit(jobs: int, steps_scale: float, only: list[str] | None, json_path: str | None) -> int:

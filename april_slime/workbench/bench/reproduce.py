@@ -246,7 +246,7 @@ def format_rows(result: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="april-slime bench reproduce",
         description="Every published figure we can set up (APRIL, CoPRIS, the verl partial-rollout "
@@ -265,19 +265,31 @@ def main(argv: list[str] | None = None) -> int:
                    help="fit every length law's median and tail on its fit rows and APRIL's length "
                         "statistics, and veRL's training phase on CoPRIS tab. 2 (docs/calibration/fit.json)")
     p.add_argument("--laws", default=None, metavar="LAW,...", help="--fit: only these length laws")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]] | None:
+    """The arguments and the ``--law`` replacements; None (after saying why) when they are wrong."""
+    args = build_parser().parse_args(argv)
     if args.jobs < 1 or not args.steps_scale > 0:
         print("april-slime bench reproduce: --jobs must be >= 1 and --steps-scale > 0", file=sys.stderr)
-        return 2
+        return None
     try:
         laws = {spec.partition(":")[0]: with_fields(spec) for spec in args.law}
     except ValueError as exc:
         print(f"april-slime bench reproduce: --law: {exc}", file=sys.stderr)
-        return 2
-    if args.fit:
-        from .fit import main_fit
+        return None
+    return args, laws
 
-        return main_fit(args.jobs, args.steps_scale, args.laws.split(",") if args.laws else None, args.json)
+
+def main(argv: list[str] | None = None) -> int:
+    parsed = parse(argv)
+    if parsed is None:
+        return 2
+    args, laws = parsed
+    if args.fit:  # `april-slime bench reproduce --fit` is fit.main's (it imports this module)
+        print("april-slime bench reproduce: --fit runs through `april-slime bench reproduce --fit`", file=sys.stderr)
+        return 2
     table = rows(args.steps_scale, laws)
     if args.only:
         table = [r for r in table if args.only.lower() in r.name.lower()]
