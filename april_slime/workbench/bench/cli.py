@@ -170,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with a 2K budget, 1-2 minutes at --time-scale 1); no steady state, so "
                         "the numbers are not results")
     p.add_argument("--band", action="store_true",
-                   help="also run the workload over seeds and the uncertain inputs (length tail, "
-                        "per-step overhead) and print steps/h with its band (7 variants)")
+                   help="also run the workload over seeds and the uncertain inputs (the length law's "
+                        "fitted median, the training cost, the decode-step overhead) and print steps/h "
+                        "with its band (9 variants; multi-turn: seeds and tool latency)")
     p.add_argument("--jobs", type=int, default=1,
                    help="virtual mode: processes to run the runs (sweep points, --band variants) in "
                         "(default 1)")
