@@ -33,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from .laws import solve, statistics, with_fields
-from .reproduce import Row, fill, parse, published_statistic, rows, run_all, tab2_reference
+from .band import length_spec
+from .laws import on_family, statistics, with_fields
+from .reproduce import Row, Run, fill, parse, published_statistic, rows, run_all, tab2_reference
 from .spec import ENGINE_PRESETS, EngineSpec
 
 RATIO_TOLERANCE = 0.05
@@ -53,9 +54,9 @@ class LawFit:
 
 FITS = (
     LawFit("dapo-math-qwen3-4b-16k", "APRIL Qwen3-4B GRPO DAPO-Math: april / sync rollout tok/s per GPU",
-           (2500.0, 4000.0, 6000.0, 9000.0)),
+           (6000.0, 7500.0, 9000.0, 10500.0)),
     LawFit("deepmath-qwen3-16k", "APRIL Qwen3-4B GRPO DeepMath: april / sync rollout tok/s per GPU",
-           (2500.0, 4000.0, 6000.0, 9000.0)),
+           (6000.0, 7500.0, 9000.0, 10500.0)),
     LawFit("deepscaler-r1-distill", "CoPRIS tab. 1 Distill-Qwen-7B: veRL / CoPRIS training hours",
            (5000.0, 7000.0, 9500.0), (0.4, 0.65, 0.9)),
     LawFit("deepscaler-qwen3-8b", "CoPRIS tab. 1 Qwen3-8B: veRL / CoPRIS training hours",
@@ -63,13 +64,18 @@ FITS = (
 )
 
 
+def april_family(law: str, median: float) -> str:
+    """The law at ``median`` that meets APRIL's length statistics: the batch's spread fig. 7's
+    4,250 tokens, a group's no wider than fig. 8's 1,500 (``laws.on_family``)."""
+    return on_family(law, median, published_statistic("APRIL batch sigma")["published"],
+                     published_statistic("APRIL group sigma GRPO")["published"])
+
+
 def candidates(fit: LawFit) -> list[str]:
     """Every candidate law of a fit, as a law string."""
     if fit.tails:
         return [with_fields(fit.law, median_tokens=m, prompt_sigma=t) for m in fit.medians for t in fit.tails]
-    target = published_statistic("APRIL batch sigma")["published"]
-    return [solve(with_fields(fit.law, median_tokens=m), "prompt_sigma", "sigma_batch", target, 0.0, 2.5)
-            for m in fit.medians]
+    return [april_family(fit.law, m) for m in fit.medians]
 
 
 # ============================================================================ veRL's training phase
@@ -146,8 +152,11 @@ def fit(jobs: int = 1, steps_scale: float = 1.0, only: list[str] | None = None) 
             tables[(f.law, law)] = next(r for r in table if r.name == f.row)
             if f.law == "deepscaler-r1-distill":
                 references[law] = tab2_reference(steps_scale, {f.law: law})
-    summaries = run_all([r for row in tables.values() for r in (row.numerator, row.denominator)]
-                        + list(references.values()), jobs)
+    # Runs that differ only in their name or their law's preset name (two laws at one candidate)
+    # run once: each run is keyed by its canonical form.
+    runs = [r for row in tables.values() for r in (row.numerator, row.denominator)] + list(references.values())
+    done = run_all([_canonical(r) for r in runs], jobs)
+    summaries = {r: done[_canonical(r)] for r in runs}
     out: dict[str, Any] = {"laws": {}, "verl_training": {}}
     training_by_law = {law: verl_training(summaries[ref]) for law, ref in references.items()}
     out["references"] = {law: summaries[ref] for law, ref in references.items()}
@@ -177,6 +186,11 @@ def fit(jobs: int = 1, steps_scale: float = 1.0, only: list[str] | None = None) 
         if f.law == "deepscaler-r1-distill":
             out["verl_training"] = best["verl_training"]
     return out
+
+
+def _canonical(run: Run) -> Run:
+    w = run.workload
+    return Run(run.preset, replace(w, name="fit", length=length_spec(w.length_model())))
 
 
 def _field(law: str, name: str) -> float:

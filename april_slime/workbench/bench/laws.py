@@ -58,15 +58,31 @@ def statistics(law: str, budget: int = 16384, prompts_per_step: int = 32, n_samp
 
 
 def solve(law: str, field: str, statistic: str, target: float, lo: float, hi: float,
-          iterations: int = 24, **kw: Any) -> str:
+          iterations: int = 24, increasing: bool = True, **kw: Any) -> str:
     """``law`` with ``field`` set in [lo, hi] so that ``statistics(...)[statistic]`` is ``target``
-    (to bisection precision; a target outside the bracket's range gives the nearer end)."""
+    (to bisection precision; a target outside the bracket's range gives the nearer end). The
+    statistic must grow with the field over the bracket, or shrink with it (``increasing=False``)."""
     if statistic not in STATISTICS:
         raise ValueError(f"unknown statistic {statistic!r}; known: {STATISTICS}")
     for _ in range(iterations):
         mid = (lo + hi) / 2.0
-        if statistics(with_fields(law, **{field: mid}), **kw)[statistic] < target:
+        below = statistics(with_fields(law, **{field: mid}), **kw)[statistic] < target
+        if below == increasing:
             lo = mid
         else:
             hi = mid
     return with_fields(law, **{field: (lo + hi) / 2.0})
+
+
+def on_family(law: str, median: float, sigma_batch: float, sigma_group_max: float, rounds: int = 3) -> str:
+    """``law`` at ``median`` with its tail across prompts solved for ``sigma_batch`` and, where the
+    group spread would be wider than ``sigma_group_max``, its Weibull shape raised until it is not
+    (a larger shape: lengths within a group closer together). A few rounds, since each moves the
+    other's statistic a little."""
+    law = with_fields(law, median_tokens=median)
+    for _ in range(rounds):
+        law = solve(law, "prompt_sigma", "sigma_batch", sigma_batch, 0.0, 2.5)
+        if statistics(law)["sigma_group"] > sigma_group_max:
+            law = solve(law, "shape", "sigma_group", sigma_group_max, LengthModel.parse(law).shape, 40.0,
+                        increasing=False)
+    return law
