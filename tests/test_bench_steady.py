@@ -68,14 +68,16 @@ def test_headline_variants_change_only_what_they_name():
     variants = {v.name.split(" (")[0]: v for v in headline_variants(w, spec)}
     assert [v.seed for v in list(variants.values())[:3]] == [0, 1, 2] and len(variants) == 9
     base = w.length_model()
-    # the fitted median's interval: only the median and the tail move, the batch spread stays
+    # the fitted median's interval: the median moves, the tail and the group spread follow so the
+    # law stays on the family it was fitted on (APRIL's batch spread, groups within 1,500)
     sigma = statistics(w.length)["sigma_batch"]
     for name, median in zip(("short median", "long median"), MEDIAN_INTERVALS[w.length]):
         vw, vs = variants[name].apply(w, spec)
         lm = vw.length_model()
         assert lm.median_tokens == pytest.approx(median) and vs == spec
-        assert replace(lm, median_tokens=base.median_tokens, prompt_sigma=base.prompt_sigma) == base
+        assert replace(lm, median_tokens=base.median_tokens, prompt_sigma=base.prompt_sigma, shape=base.shape) == base
         assert statistics(vw.length)["sigma_batch"] == pytest.approx(sigma, rel=0.01)
+        assert statistics(vw.length)["sigma_group"] <= 1500 * 1.01
     heavy_w, heavy_s = variants["heavy training"].apply(w, spec)
     assert heavy_w.length_model() == base
     assert heavy_s.train_time(10**6) == pytest.approx(1.5 * spec.train_time(10**6))

@@ -19,7 +19,8 @@ from typing import Any
 
 from april_slime.workbench.emulator import LengthModel
 
-from .laws import MEDIAN_INTERVALS, solve, statistics, with_fields
+from .laws import MEDIAN_INTERVALS, length_spec
+from .reproduce import april_family
 from .runner import run_benchmark, run_jobs
 from .spec import EngineSpec
 from .workloads import Workload
@@ -40,29 +41,17 @@ class Variant:
         return w, replace(spec, **self.spec)
 
 
-def length_spec(model: LengthModel) -> str:
-    """A ``Workload.length`` string that parses back to exactly ``model``."""
-    values = asdict(model)
-    kind = values.pop("kind")
-    if kind == "max-length":
-        return "max-length"
-    return "default:" + ",".join(f"{k}={v!r}" for k, v in values.items())
-
-
 def median_variants(workload: Workload) -> list[Variant]:
-    """The law's median at both ends of its fitted interval, the tail re-solved for APRIL's batch
-    spread (the law stays on the family it was fitted on); none for a law without an interval."""
+    """The law's median at both ends of its fitted interval, on the family it was fitted on (its
+    tail and group spread re-solved for APRIL's statistics); none for a law without an interval."""
     if workload.length not in MEDIAN_INTERVALS:  # a law of its own (a median of its own): no fit to span
         return []
-    name = workload.length
     out = []
-    target = statistics(workload.length)["sigma_batch"]
-    for label, median in zip(("short median", "long median"), MEDIAN_INTERVALS[name]):
-        law = solve(with_fields(workload.length, median_tokens=median), "prompt_sigma", "sigma_batch",
-                    target, 0.0, 2.5)
-        model = LengthModel.parse(law)
+    for label, median in zip(("short median", "long median"), MEDIAN_INTERVALS[workload.length]):
+        model = LengthModel.parse(april_family(workload.length, median))
         out.append(Variant(f"{label} ({median:,.0f})", 0, {"median_tokens": model.median_tokens,
-                                                            "prompt_sigma": model.prompt_sigma}))
+                                                            "prompt_sigma": model.prompt_sigma,
+                                                            "shape": model.shape}))
     return out
 
 

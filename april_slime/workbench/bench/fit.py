@@ -33,9 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from .band import length_spec
-from .laws import on_family, statistics, with_fields
-from .reproduce import Row, Run, fill, parse, published_statistic, rows, run_all, tab2_reference
+from .laws import length_spec, statistics, with_fields
+from .reproduce import Row, Run, april_family, fill, parse, published_statistic, rows, run_all, tab2_reference
 from .spec import ENGINE_PRESETS, EngineSpec
 
 RATIO_TOLERANCE = 0.05
@@ -62,13 +61,6 @@ FITS = (
     LawFit("deepscaler-qwen3-8b", "CoPRIS tab. 1 Qwen3-8B: veRL / CoPRIS training hours",
            (6000.0, 8500.0, 11500.0), (0.4, 0.65, 0.9)),
 )
-
-
-def april_family(law: str, median: float) -> str:
-    """The law at ``median`` that meets APRIL's length statistics: the batch's spread fig. 7's
-    4,250 tokens, a group's no wider than fig. 8's 1,500 (``laws.on_family``)."""
-    return on_family(law, median, published_statistic("APRIL batch sigma")["published"],
-                     published_statistic("APRIL group sigma GRPO")["published"])
 
 
 def candidates(fit: LawFit) -> list[str]:

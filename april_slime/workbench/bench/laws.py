@@ -11,7 +11,7 @@ statistic must grow with the field over the bracket).
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any
 
 import numpy as np
@@ -25,8 +25,18 @@ STATISTICS = ("median", "mean", "sigma_batch", "sigma_group", "at_budget")
 # The medians at which each law's fit row stays within 5% of its published ratio (`april-slime
 # bench reproduce --fit`, docs/calibration/fit.json): the headline band spans them.
 MEDIAN_INTERVALS: dict[str, tuple[float, float]] = {
-    "dapo-math-qwen3-4b-16k": (3000.0, 5000.0),
+    "dapo-math-qwen3-4b-16k": (8481.0, 10466.0),
+    "deepmath-qwen3-16k": (7026.0, 8707.0),
 }
+
+
+def length_spec(model: LengthModel) -> str:
+    """A ``Workload.length`` string that parses back to exactly ``model``."""
+    values = asdict(model)
+    kind = values.pop("kind")
+    if kind == "max-length":
+        return "max-length"
+    return "default:" + ",".join(f"{k}={v!r}" for k, v in values.items())
 
 
 def with_fields(law: str, **values: float) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
-from .laws import solve, statistics, with_fields
+from .laws import on_family, solve, statistics, with_fields
 from .runner import run_benchmark, run_jobs
 from .spec import ENGINE_PRESETS
 from .workloads import Workload
@@ -78,6 +78,13 @@ def published_statistic(name: str) -> dict[str, Any]:
         if item["name"] == name:
             return item
     raise KeyError(f"no published statistic {name!r}")
+
+
+def april_family(law: str, median: float) -> str:
+    """The law at ``median`` that meets APRIL's length statistics: the batch's spread fig. 7's
+    4,250 tokens, a group's no wider than fig. 8's 1,500 (``laws.on_family``)."""
+    return on_family(law, median, published_statistic("APRIL batch sigma")["published"],
+                     published_statistic("APRIL group sigma GRPO")["published"])
 
 
 def dapo_arm(law: str) -> str:

@@ -305,7 +305,7 @@ VERL_ROLLOUT: dict[str, Any] = dict(engine="vllm", mem_fraction_static=0.5, enfo
 # logprob 22.15 s, the rest of the step beside the rollout 25.54 s) on the tokens the emulated run
 # trains and buffers at that point (``april-slime bench reproduce --fit``; docs/calibration/fit.json):
 # an MFU for the update and one for the log-prob forward; no fixed part (the rest is per token).
-VERL_TRAINING: dict[str, Any] = dict(train_mfu=0.35, logprob_mfu=0.35, train_fixed_s=0.0)
+VERL_TRAINING: dict[str, Any] = dict(train_mfu=0.3321, logprob_mfu=0.3623, train_fixed_s=0.0)
 
 
 def _preset(name: str, gpu: str, model: str, num_engines: int, gpus_per_engine: int,

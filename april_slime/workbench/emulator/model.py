@@ -166,8 +166,9 @@ class LengthModel:
         return asdict(self)
 
 
-# The spread within a prompt's group, shared by every fitted law: with it the DAPO-Math law's
-# within-group standard deviation is the < 1,500 tokens APRIL measured for GRPO (§3.2.3, fig. 8).
+# The spread within a prompt's group and the samples that never stop, shared by the fitted laws;
+# APRIL's laws raise the Weibull shape until a group's spread is within the < 1,500 tokens APRIL
+# measured for GRPO (§3.2.3, fig. 8).
 _GROUP_SPREAD = dict(sample_sigma=0.1, shape=4.0, truncation_fraction=0.02, truncation_prompt_correlation=0.8)
 
 LENGTH_PRESETS: dict[str, LengthModel] = {
@@ -177,14 +178,16 @@ LENGTH_PRESETS: dict[str, LengthModel] = {
     # 4,000-4,500 tokens, within-group < 1,500, ~40% carried-over tokens): `april-slime bench
     # reproduce --fit`, docs/calibration/fit.json, docs/bench.md.
     # DAPO-Math-17k on Qwen3 at a 16K budget (APRIL, the headline, the verl recipe).
-    "dapo-math-qwen3-4b-16k": LengthModel(median_tokens=4000.0, prompt_sigma=0.86, **_GROUP_SPREAD),
+    "dapo-math-qwen3-4b-16k": LengthModel(**{**_GROUP_SPREAD, "shape": 7.63866}, median_tokens=9000.0,
+                                          prompt_sigma=0.51454),
     # DeepMath-103K on Qwen3 at 16K (APRIL fig. 4, fitted on its Qwen3-4B GRPO row).
-    "deepmath-qwen3-16k": LengthModel(median_tokens=4000.0, prompt_sigma=0.86, **_GROUP_SPREAD),
+    "deepmath-qwen3-16k": LengthModel(**{**_GROUP_SPREAD, "shape": 6.47233}, median_tokens=7500.0,
+                                      prompt_sigma=0.564158),
     # DeepScaleR-Preview (AIME/AMC/Omni-MATH/STILL problems) for the reasoning models CoPRIS
     # trained: R1-Distill-Qwen (1.5B/7B; fitted on CoPRIS tab. 1's 7B step times) and Qwen3-8B in
     # thinking mode (fitted on tab. 1's Qwen3-8B step times).
-    "deepscaler-r1-distill": LengthModel(median_tokens=4500.0, prompt_sigma=0.75, **_GROUP_SPREAD),
-    "deepscaler-qwen3-8b": LengthModel(median_tokens=8500.0, prompt_sigma=0.75, **_GROUP_SPREAD),
+    "deepscaler-r1-distill": LengthModel(median_tokens=7000.0, prompt_sigma=0.9, **_GROUP_SPREAD),
+    "deepscaler-qwen3-8b": LengthModel(median_tokens=8500.0, prompt_sigma=0.4, **_GROUP_SPREAD),
     # Short responses for tests and quick runs.
     "short": LengthModel(median_tokens=48.0, prompt_sigma=0.6, sample_sigma=0.2, shape=5.0,
                          truncation_fraction=0.05, truncation_prompt_correlation=0.9),
