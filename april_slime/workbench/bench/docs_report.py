@@ -164,14 +164,23 @@ def fit_table(data: dict[str, Any]) -> str:
     rows = []
     for law, f in data["laws"].items():
         best = next(p for p in f["grid"] if p["law"] == f["best"])
-        lo, hi = f["median_interval"]
         st = best["statistics"]
-        rows.append([f"`{law}`", f["row"].split(":")[0], f"{best['median_tokens']:,.0f} ({lo:,.0f}-{hi:,.0f})",
-                     f"{best['prompt_sigma']:.2f}", f"{st['median']:,.0f} / {st['mean']:,.0f}",
-                     f"{st['sigma_batch']:,.0f} / {st['sigma_group']:,.0f}", f"{best['emulated']:.2f}x vs "
-                     f"{best['published']:.2f}x", f"{best['score']:.2f}"])
+        num, den = best["numerator"], best["denominator"]
+        on_seconds = num["published_s_per_step"] is not None
+        if on_seconds:
+            target = (f"s/step {num['step_s']:,.0f} / {den['step_s']:,.0f} vs {num['published_s_per_step']:,.0f} / "
+                      f"{den['published_s_per_step']:,.0f} ({best['emulated']:.2f}x vs {best['published']:.2f}x)")
+            median = f"{best['median_tokens']:,.0f}"
+        else:
+            lo, hi = f["median_interval"]
+            target = (f"{best['emulated']:.2f}x vs {best['published']:.2f}x; carried-over tokens "
+                      f"{num['carried_token_fraction']:.0%} vs 40%")
+            median = f"{best['median_tokens']:,.0f} ({lo:,.0f}-{hi:,.0f})"
+        rows.append([f"`{law}`", f["row"].split(":")[0], median, f"{best['prompt_sigma']:.2f}",
+                     f"{st['median']:,.0f} / {st['mean']:,.0f}", f"{st['sigma_batch']:,.0f} / {st['sigma_group']:,.0f}",
+                     target, f"{len(f['grid'])}, {best['score']:.2f}"])
     table = _table(["law", "fit row", "median_tokens (interval)", "prompt_sigma", "median / mean at 16K",
-                    "sigma batch / group", "fit row", "score"], rows)
+                    "sigma batch / group at 16K", "fit row: emulated vs published", "candidates, best score"], rows)
     t = data.get("verl_training") or {}
     if t:
         table += (f"\n\nveRL's training phase (CoPRIS tab. 2 at N' = 1024): update MFU {t['train_mfu']:.1%}, "
