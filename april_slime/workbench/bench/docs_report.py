@@ -194,7 +194,8 @@ def cpu_engine(spec: dict[str, Any], compare: list[dict[str, Any]]) -> str:
     fit = m["decode_fit"]
     grid = ", ".join(f"{p['decode_step_s'] * 1e3:.1f} ms at {p['batch']} x {p['context']}" for p in m["decode_grid"])
     text = (f"Measured: KV pool {m['kv_capacity_tokens']:,} tokens, {m['max_running_requests']} running "
-            f"requests, {spec['gpus_per_engine']} GPU per engine (tensor parallel size from `/server_info`); decode "
+            f"requests, parallel size {spec['gpus_per_engine']} from `/server_info` (the spec's devices per "
+            f"engine); decode "
             f"step {m['decode_t0'] * 1e3:.1f} ms + {m['decode_per_request'] * 1e3:.2f} ms per request + "
             f"{m['decode_per_kv_token'] * 1e9:.1f} ns per KV token, worst error on the grid "
             f"{fit['max_relative_error']:.0%}, {fit.get('extrapolation_relative_error', float('nan')):.0%} at the "
