@@ -16,8 +16,9 @@ setup(
     # the published figures `april-slime bench reproduce` compares against
     package_data={"april_slime.workbench.bench": ["data/*.json"]},
     # torch is deliberately absent: slime images ship their own build, and the test setup pins
-    # the CPU wheel. The loss/VCPO modules import it; the rollout side does not need it.
-    install_requires=["aiohttp>=3.9", "numpy>=1.24", "pyyaml>=6.0"],
+    # the CPU wheel. The loss/VCPO modules import it; the rollout side does not need it. The rollout
+    # core decodes replies with orjson and checks their tokens with numpy (both in slime's images).
+    install_requires=["aiohttp>=3.9", "numpy>=1.24", "orjson>=3.9", "pyyaml>=6.0"],
     extras_require={
         "bench": ["matplotlib>=3.7", "tqdm>=4.60"],
         "test": ["pytest>=7.4", "pytest-asyncio>=0.23", "matplotlib>=3.7", "tqdm>=4.60", "ruff==0.17.6"],

@@ -9,15 +9,18 @@ and the policy versions the rollout function sets.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from april_slime import settings
+from april_slime import settings, slime_compat
 from april_slime.core import checkpoint
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.config import AprilConfig, AprilConfigError
 from april_slime.core.types import Group
 from april_slime.generate_functions import load_generate_function
-from april_slime.samples import SampleCodec, Slime
+from april_slime.samples import SampleCodec, Slime, leaves
+
+logger = logging.getLogger(__name__)
 
 
 def load_config(args: Any) -> AprilConfig:
@@ -26,7 +29,10 @@ def load_config(args: Any) -> AprilConfig:
     Any problem raises ``AprilConfigError`` with one line naming the key, which stops the job at
     start (the data source is built when slime's rollout manager starts).
     """
+    slime_compat.check_job(args)
     config = settings.for_job(args)
+    for note in slime_compat.notes(args):
+        logger.warning("april_slime: %s", note)
     if getattr(args, "rollout_max_response_len", None) is None:
         raise AprilConfigError("rollout_max_response_len: must be set; it is the response budget that "
                                "partial rollouts are resumed against")
@@ -83,7 +89,7 @@ class AprilDataSource:
         out = []
         for group in groups:
             samples = self._codec.samples(group, None)
-            for s in samples:
+            for s in leaves(samples):
                 # another rollout function extends these responses, so versions recorded here would
                 # no longer cover them; ``weight_versions`` still says which policies generated them
                 s.train_metadata = None

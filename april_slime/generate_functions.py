@@ -19,7 +19,9 @@ text decoded over every token, stop strings honoured across segment boundaries, 
 per-token weight versions of every segment), and turns the returned ``Sample`` into the member's
 record (``finish``). The function does not copy versions into its sample: each model token of the
 response is matched, in order, against the tokens the plugin served the episode; a response whose
-trainable tokens are not exactly those fails loudly (the episode is re-run, then given up).
+trainable tokens are not exactly those fails loudly (the episode is re-run, then given up). A
+function may return ``list[Sample]`` (slime's compact shape): each sample's trainable tokens are
+then whole calls' outputs in call order, and together the samples hold every call's output.
 """
 
 from __future__ import annotations
@@ -160,27 +162,15 @@ class GenerateFunctions:
         return lo, stop
 
     def finish(self, member: Trajectory, episode: Episode, result: Any) -> None:
-        Sample = self.slime.Sample
         if isinstance(result, list):
-            raise EpisodeError("the generate function returned a list of samples; april_slime trains one "
-                               "sample per episode")
-        if not isinstance(result, Sample):
-            raise EpisodeError(f"the generate function returned {type(result).__name__}, not a Sample")
-        status = result.status.name
-        if status not in ("COMPLETED", "TRUNCATED"):
-            raise EpisodeError(f"the generate function returned a sample with status {status}")
-        length = int(result.response_length or 0)
-        response = list(result.tokens[len(result.tokens) - length:]) if length else []
-        mask = list(result.loss_mask) if result.loss_mask is not None else [1] * length
-        logprobs = list(result.rollout_log_probs) if result.rollout_log_probs is not None else None
-        if len(mask) != length or logprobs is None or len(logprobs) != length:
-            raise EpisodeError(f"sample {member.uid}: response of {length} tokens with a loss mask of "
-                               f"{len(mask)} and {0 if logprobs is None else len(logprobs)} log-probs")
+            self._finish_fanout(member, episode, result)
+            return
+        status, response, mask, logprobs = self._checked(member.uid, result)
         versions = _match_served(member.uid, response, mask, logprobs, episode.served)
         member.response_ids, member.logprobs = response, [float(x) for x in logprobs]
         member.loss_mask = mask
         member.version_runs = _runs(versions)
-        member.max_new_tokens = max(member.max_new_tokens, length)
+        member.max_new_tokens = max(member.max_new_tokens, len(response))
         member.call_versions = [v for c in episode.served for v in c.trajectory.call_versions]
         member.num_calls = sum(c.trajectory.num_calls for c in episode.served)
         member.num_aborts = sum(c.trajectory.num_aborts for c in episode.served)
@@ -188,6 +178,69 @@ class GenerateFunctions:
         member.finish_reason = "length" if status == "TRUNCATED" else "stop"
         member.reward = result.reward
         member.episode_sample = plain(self.codec.sample_dict(result))
+
+    def _finish_fanout(self, member: Trajectory, episode: Episode, results: list) -> None:
+        """slime's compact shape: one episode, several training samples (e.g. one per turn, each
+        with the conversation before it as its prompt). Each sample's trainable tokens must be the
+        whole outputs of some of the episode's calls, in call order, and every call's tokens must
+        reach a sample. The member keeps every model token the episode generated (for staleness and
+        the step's counts); each sample keeps its own per-token versions."""
+        if not results:
+            raise EpisodeError(f"sample {member.uid}: the generate function returned an empty list")
+        rollout_ids = [getattr(r, "rollout_id", None) for r in results]
+        if len(results) > 1 and hasattr(results[0], "rollout_id") and (None in rollout_ids
+                                                                       or len(set(rollout_ids)) > 1):
+            raise EpisodeError(f"sample {member.uid}: the {len(results)} samples of one episode must share one "
+                               f"Sample.rollout_id, so that slime's loss counts the episode once; got {rollout_ids}")
+        served = episode.served
+        used: set[int] = set()
+        entries, statuses = [], []
+        for n, result in enumerate(results):
+            where = f"{member.uid}[{n}]"
+            status, response, mask, logprobs = self._checked(where, result)
+            versions, calls = _match_calls(where, response, mask, logprobs, served)
+            used.update(calls)
+            statuses.append(status)
+            entries.append({"sample": plain(self.codec.sample_dict(result)), "version_runs": _runs(versions),
+                            "call_versions": [v for k in calls for v in served[k].trajectory.call_versions],
+                            "num_calls": sum(served[k].trajectory.num_calls for k in calls),
+                            "num_aborts": sum(served[k].trajectory.num_aborts for k in calls)})
+        unused = [k for k, c in enumerate(served) if c.trajectory.response_ids and k not in used]
+        if unused:
+            raise EpisodeError(f"sample {member.uid}: the tokens of model call(s) {unused} of {len(served)} reach "
+                               "none of the returned samples; a generate function must keep every call's output_ids")
+        member.response_ids = [i for c in served for i in c.trajectory.response_ids]
+        member.logprobs = [float(lp) for c in served for lp in c.trajectory.logprobs]
+        member.loss_mask = None
+        member.version_runs = _runs([v for c in served for v in c.trajectory.token_versions()])
+        member.max_new_tokens = max(member.max_new_tokens, len(member.response_ids))
+        member.call_versions = [v for c in served for v in c.trajectory.call_versions]
+        member.num_calls = sum(c.trajectory.num_calls for c in served)
+        member.num_aborts = sum(c.trajectory.num_aborts for c in served)
+        truncated = "TRUNCATED" in statuses
+        member.status = TrajectoryStatus.TRUNCATED if truncated else TrajectoryStatus.COMPLETED
+        member.finish_reason = "length" if truncated else "stop"
+        rewards = [r.reward for r in results]
+        member.reward = None if any(r is None for r in rewards) else plain(rewards)
+        member.episode_samples = entries
+
+    def _checked(self, where: str, result: Any) -> tuple[str, list[int], list[int], list[float]]:
+        """A returned sample's status, response tokens, loss mask and log-probs, or ``EpisodeError``."""
+        Sample = self.slime.Sample
+        if not isinstance(result, Sample):
+            raise EpisodeError(f"sample {where}: the generate function returned {type(result).__name__}, "
+                               "not a Sample")
+        status = result.status.name
+        if status not in ("COMPLETED", "TRUNCATED"):
+            raise EpisodeError(f"sample {where}: the generate function returned a sample with status {status}")
+        length = int(result.response_length or 0)
+        response = list(result.tokens[len(result.tokens) - length:]) if length else []
+        mask = list(result.loss_mask) if result.loss_mask is not None else [1] * length
+        logprobs = list(result.rollout_log_probs) if result.rollout_log_probs is not None else None
+        if len(mask) != length or logprobs is None or len(logprobs) != length:
+            raise EpisodeError(f"sample {where}: response of {length} tokens with a loss mask of "
+                               f"{len(mask)} and {0 if logprobs is None else len(logprobs)} log-probs")
+        return status, response, mask, logprobs
 
 
 def _match_served(uid: str, response: list[int], mask: list[int], logprobs: list[float],
@@ -208,13 +261,45 @@ def _match_served(uid: str, response: list[int], mask: list[int], logprobs: list
         if not math.isclose(logprobs[k], served_lps[n], abs_tol=LOGPROB_MATCH_TOLERANCE):
             raise EpisodeError(f"sample {uid}: rollout log-prob {logprobs[k]} of response token {k} is not "
                                f"the {served_lps[n]} its model call returned")
-    versions, last = [], served_versions[0] if served_versions else 0
-    by_token = iter(served_versions)
+    return _spread(mask, served_versions)
+
+
+def _match_calls(uid: str, response: list[int], mask: list[int], logprobs: list[float],
+                 served: list[ModelCall]) -> tuple[list[int], list[int]]:
+    """One sample of a fan-out: its trainable tokens, in order, must be the whole outputs (tokens and
+    log-probs) of some of the served calls, in call order. Returns the version of every response
+    token and the indices of the calls it holds."""
+    trainable = [k for k, m in enumerate(mask) if m]
+    at, calls, versions = 0, [], []
+    for k, call in enumerate(served):
+        t = call.trajectory
+        n = len(t.response_ids)
+        if n == 0 or at + n > len(trainable):
+            continue
+        here = trainable[at:at + n]
+        if ([response[j] for j in here] == list(t.response_ids)
+                and all(math.isclose(logprobs[j], lp, abs_tol=LOGPROB_MATCH_TOLERANCE)
+                        for j, lp in zip(here, t.logprobs))):
+            calls.append(k)
+            versions += t.token_versions()
+            at += n
+    if at != len(trainable):
+        raise EpisodeError(f"sample {uid}: its trainable tokens from token {at} of {len(trainable)} on are not "
+                           f"the whole output of any further model call of its episode ({len(served)} calls); a "
+                           "generate function must keep each call's output_ids and log-probs as they are")
+    return _spread(mask, versions), calls
+
+
+def _spread(mask: list[int], trainable_versions: list[int]) -> list[int]:
+    """The version of every response token: trainable tokens in order take ``trainable_versions``;
+    others (tool output) the version before them."""
+    out, last = [], trainable_versions[0] if trainable_versions else 0
+    by_token = iter(trainable_versions)
     for m in mask:
         if m:
             last = next(by_token)
-        versions.append(last)
-    return versions
+        out.append(last)
+    return out
 
 
 def _runs(versions: list[int]) -> list[list[int]]:

@@ -23,23 +23,22 @@ flows one way: batch -> packed samples -> off-policy math (``april_slime.trainin
 loss and metrics, the per-token results sliced back to the local layout that slime's
 ``sum_of_sample_mean`` expects. Without CP (or without slime) both layouts coincide.
 
-Metrics. slime sums every metric over micro-batches and data-parallel ranks and divides by the
-step's sample count (or token count with ``--calculate-per-token-loss``), so each metric here is a
-per-token quantity passed through ``sum_of_sample_mean``: the logged value is its mean over samples
-of the per-sample token mean. Samples without a trained token still count in slime's divisor
-and the loss cannot see the step's count of trained samples, so ``april/trained_frac`` (the
-fraction of the step's samples with a trained token) is reported and every other ``april/``
-sample metric reads "sum over trained samples / all samples": divide by ``trained_frac`` for the
-mean over trained samples. Non-additive statistics are reported through additive parts:
+Metrics (``april_slime.training.loss_metrics`` owns how each is laid out). slime sums every metric
+over micro-batches and data-parallel ranks and divides by the step's sample count (or its token
+count with ``--calculate-per-token-loss``), so each metric here is a per-token quantity passed
+through ``sum_of_sample_mean``. Quantities of a sample (``trained_frac``, ``seq_weight``,
+``seq_weight_sq``, ``ratio_max``) read "sum over trained samples / slime's divisor" in both modes,
+so ``X / trained_frac`` is the mean over trained samples and
+``seq_weight**2 / (trained_frac * seq_weight_sq)`` the step's ESS ratio (log-weights clamped to
++-20 before exp). ``ess_ratio_microbatch`` and the ``is_weight_q*`` quantiles are per micro-batch;
+``kl_rollout_train_k3`` is the k3 estimate of KL(rollout || train); per staleness bucket
+``tokens`` / ``ratio_mass`` give the bucket's mean behaviour ratio (docs/loss.md, "Metrics").
 
-* ``april/seq_weight`` and ``april/seq_weight_sq``: mean of the unclipped sequence weight
-  w = prod pi_old / pi_rollout and of w^2; the step's ESS ratio is
-  ``seq_weight**2 / (trained_frac * seq_weight_sq)`` (log-weights clamped to +-20 before exp).
-* ``april/ess_ratio_microbatch``: ESS/N of each micro-batch, averaged over samples.
-* ``april/ratio_max``: mean over samples of each sample's largest clip ratio.
-* per staleness bucket b (``stale0``, ``stale1``, ``stale2``, ``stale3+``): ``tokens`` is the mean
-  token fraction in the bucket, ``ratio_mass`` the same fraction weighted by pi_old / pi_rollout,
-  so ``ratio_mass / tokens`` is the bucket's mean behaviour ratio.
+Proximal log-probs: slime's recomputed ones when the batch has them; otherwise the training
+forward's own (one optimizer step per rollout, or copris) or the log-linear interpolation
+(``april_prox_log_probs: loglinear``, ``april_slime.training.proximal``). ``policy_loss`` answers
+slime's question whether it needs the recompute (``reuses_train_log_probs``, asked through
+``patches/slime-skip-proximal-recompute.patch``).
 
 VCPO (``april_slime.vcpo``; needs ``april_slime.vcpo.before_train_step`` as slime's
 before-train-step hook, which creates the job's ``vcpo.runtime()``):
@@ -49,9 +48,9 @@ before-train-step hook, which creates the job's ``vcpo.runtime()``):
   mode) to the step's ESS statistics; the optimizer step reduces them across ranks and scales the
   learning rate. Nothing else in the loss changes.
 * ``april_vcpo_baseline``: the policy-gradient term is ``opob_policy_loss`` (sequence-level
-  corrected weight times the summed response NLL, a plain sum over samples that slime's loss
-  scaling turns into the step mean), with the off-policy optimal baseline applied to the
-  gradients after the last micro-batch (``april_slime.training.baseline``). Defined for
+  corrected weight times the response NLL, summed or length-normalised, a plain sum over samples
+  that slime's loss scaling turns into the step mean), with the off-policy optimal baseline folded
+  into the gradients micro-batch by micro-batch (``april_slime.training.baseline``). Defined for
   ``april_is_mode: copris`` with ``april_is_level: sequence`` only; ``vcpo.check_settings`` refuses
   everything else. The metrics
   keep their keys (``april/ratio_*`` is then the unclipped sequence ratio, ``pg_clipfrac`` 0).
@@ -75,12 +74,13 @@ import torch
 
 from april_slime import settings, vcpo
 from april_slime.core.config import AprilConfig, AprilConfigError
-from april_slime.core.keys import METRIC_PREFIX, POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
-from april_slime.training import offpolicy
-from april_slime.training.baseline import OpobResult, opob_policy_loss
+from april_slime.core.keys import METRIC_PREFIX, OPOB_GROUP_KEY, POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
+from april_slime.training import loss_metrics, offpolicy
+from april_slime.training.baseline import OpobResult, SampleGroups, opob_policy_loss
 from april_slime.training.packed import PackedSamples, concat_samples, response_log_probs_from_logits
+from april_slime.training.proximal import loglinear_proximal_log_probs
 
-STALENESS_BUCKETS = ("stale0", "stale1", "stale2", "stale3+")
+STALENESS_BUCKETS = loss_metrics.STALENESS_BUCKETS
 TokenVersions = tuple[list[torch.Tensor | None], list[int | None]]  # per-sample versions, reference versions
 
 
@@ -179,51 +179,11 @@ def token_versions(batch: dict, response_lengths: list[int]) -> TokenVersions | 
     return versions, references
 
 
-def _staleness_metrics(
-    versions: TokenVersions,
-    packing: offpolicy.Packing,
-    behaviour_ratio: torch.Tensor,
-    to_local: Callable[[torch.Tensor], torch.Tensor],
-) -> dict[str, torch.Tensor]:
+def _staleness_metrics(versions: TokenVersions, packing: offpolicy.Packing, behaviour_ratio: torch.Tensor,
+                       to_local: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
     per_sample, references = versions
-    device = behaviour_ratio.device
-    lengths = list(packing.sizes)
-    known = torch.cat([torch.full((n,), v is not None, dtype=torch.bool) for v, n in zip(per_sample, lengths)]
-                      ) if lengths else torch.zeros(0, dtype=torch.bool)
-    flat = torch.cat([v if v is not None else torch.zeros(n, dtype=torch.long) for v, n in zip(per_sample, lengths)]
-                     ) if lengths else torch.zeros(0, dtype=torch.long)
-    newest = int(flat[known].max()) if bool(known.any()) else 0
-    reference = torch.cat([torch.full((n,), newest if ref is None else int(ref), dtype=torch.long)
-                           for ref, n in zip(references, lengths, strict=True)]
-                          ) if lengths else torch.zeros(0, dtype=torch.long)
-    staleness = (reference - flat).clamp_min(0).to(device)
-    known = known.to(device)
-    bucket = offpolicy.staleness_buckets(staleness, len(STALENESS_BUCKETS))
-    dtype = behaviour_ratio.dtype
-    out = {
-        "offpolicy_token_frac": (known & (staleness > 0)).to(dtype),
-        "staleness_mean": staleness.to(dtype) * known.to(dtype),
-    }
-    for b, name in enumerate(STALENESS_BUCKETS):
-        in_bucket = (known & (bucket == b)).to(dtype)
-        out[f"{name}/tokens"] = in_bucket
-        out[f"{name}/ratio_mass"] = in_bucket * behaviour_ratio
+    out = loss_metrics.staleness_metrics(per_sample, references, packing, behaviour_ratio)
     return {k: to_local(v) for k, v in out.items()}
-
-
-# ------------------------------------------------------------------------------- metrics
-def _weight_metrics(
-    packing: offpolicy.Packing, mask: torch.Tensor, sequence_log_weights: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """Per-token tensors (whole-response layout) describing the unclipped sequence weights."""
-    seq_w = offpolicy.safe_exp(sequence_log_weights.detach())
-    valid = packing.sum(mask.to(seq_w.dtype)) > 0
-    ess = offpolicy.effective_sample_size(sequence_log_weights, valid=valid, reduce=False)
-    return {
-        "seq_weight": packing.expand(seq_w),
-        "seq_weight_sq": packing.expand(seq_w.square()),
-        "ess_ratio_microbatch": torch.full_like(mask, ess.ess_ratio, dtype=seq_w.dtype),
-    }
 
 
 # --------------------------------------------------------------------------- packing step
@@ -248,6 +208,7 @@ class SlimeMicrobatch:
     ref_log_probs: list[torch.Tensor] | None = None
     total_lengths: list[int] | None = None
     versions: TokenVersions | None = None  # per-token policy versions (``token_versions``)
+    metadata: list[dict | None] | None = None  # each sample's metadata (``batch["metadata"]``)
 
     @property
     def packing(self) -> offpolicy.Packing:
@@ -271,6 +232,7 @@ def read_samples(
     advantages: list[torch.Tensor] | None = None,
     ref_log_probs: list[torch.Tensor] | None = None,
     versions: TokenVersions | None = None,
+    metadata: list[dict | None] | None = None,
 ) -> SlimeMicrobatch:
     """The packing step both hooks share: gather the CP-local per-sample tensors into whole
     responses (a collective over the CP group, in the same order on every rank), check them
@@ -289,30 +251,79 @@ def read_samples(
     return SlimeMicrobatch(
         layout=layout, whole=whole, loss_masks=loss_masks, old_log_probs=old_log_probs, log_probs=log_probs,
         entropy=entropy, rollout_log_probs=rollout_log_probs, advantages=advantages, ref_log_probs=ref_log_probs,
-        total_lengths=total_lengths, versions=versions)
+        total_lengths=total_lengths, versions=versions, metadata=metadata)
 
 
 def read_batch(args: Any, config: AprilConfig, batch: dict, logits: torch.Tensor) -> SlimeMicrobatch:
     """``policy_loss``'s reading of slime's batch: the current log-probs and entropies from
-    ``logits``, the recomputed and rollout log-probs the mode needs, then ``read_samples``."""
+    ``logits``, the proximal and rollout log-probs the mode needs, then ``read_samples``."""
     response_lengths = [int(n) for n in batch["response_lengths"]]
     log_probs, entropy = current_log_probs(args, batch, logits)
     old_log_probs = batch.get("log_probs") or None
     rollout_log_probs = batch.get("rollout_log_probs") or None
+    versions = token_versions(batch, response_lengths)
     if config.is_mode != "on_policy" and rollout_log_probs is None:
         raise AprilConfigError(f"april_is_mode: {config.is_mode} needs rollout log-probs in the batch; the rollout "
                                "must return them (SGLang return_logprob) for every response token")
     if old_log_probs is None:
-        if config.is_mode == "decoupled":
-            raise AprilConfigError("april_is_mode: decoupled needs the recomputed proximal log-probs; drop "
-                                   "--use-rollout-logprobs")
-        old_log_probs = [lp.detach() for lp in log_probs]
+        old_log_probs = _proximal_without_recompute(args, config, log_probs, rollout_log_probs, versions)
     return read_samples(
         response_lengths, batch.get("total_lengths"), loss_masks=batch["loss_masks"], old_log_probs=old_log_probs,
         old_name="log_probs", log_probs=log_probs, entropy=entropy, rollout_log_probs=rollout_log_probs,
         advantages=batch["advantages"],
         ref_log_probs=batch["ref_log_probs"] if getattr(args, "use_kl_loss", False) else None,
-        versions=token_versions(batch, response_lengths))
+        versions=versions, metadata=batch.get("metadata"))
+
+
+def _proximal_without_recompute(args: Any, config: AprilConfig, log_probs: list[torch.Tensor],
+                                rollout_log_probs: list[torch.Tensor] | None,
+                                versions: TokenVersions | None) -> list[torch.Tensor]:
+    """pi_prox when slime did not recompute it (``april_slime.training.proximal``): the training
+    forward's own log-probs with one optimizer step per rollout, or with copris (which anchors on
+    the rollout: pi_prox only feeds its metrics); the log-linear interpolation otherwise."""
+    steps = vcpo.steps_per_rollout(args)
+    needs_prox = config.is_mode == "decoupled" or (config.is_mode == "on_policy" and steps > 1)
+    if not needs_prox or steps == 1:
+        if config.is_mode == "decoupled" and config.prox_log_probs == "recompute":
+            raise AprilConfigError("april_is_mode: decoupled with april_prox_log_probs: recompute needs slime's "
+                                   "recomputed proximal log-probs; drop --use-rollout-logprobs")
+        return [lp.detach() for lp in log_probs]
+    if config.prox_log_probs != "loglinear":
+        raise AprilConfigError(
+            f"april_is_mode: {config.is_mode} with {steps} optimizer steps per rollout needs the proximal log-probs: "
+            "let slime recompute them (drop --use-rollout-logprobs) or set april_prox_log_probs: loglinear")
+    rt = vcpo.runtime()
+    if rt is None:
+        raise AprilConfigError("april_prox_log_probs: loglinear needs the step of the rollout: add "
+                               "--custom-megatron-before-train-step-hook-path april_slime.vcpo.before_train_step")
+    if versions is None or rollout_log_probs is None or any(v is None for v in versions[0]):
+        raise AprilConfigError("april_prox_log_probs: loglinear needs every sample's per-token policy versions "
+                               "(april_slime's rollout with patches/slime-forward-train-metadata.patch)")
+    per_sample, references = versions
+    out = []
+    for i, (lp, rlp, v, ref) in enumerate(zip(log_probs, rollout_log_probs, per_sample, references, strict=True)):
+        if ref is None:
+            raise AprilConfigError(f"april_prox_log_probs: loglinear: sample {i} has no {POLICY_VERSION_KEY}")
+        v = v.to(lp.device)
+        out.append(loglinear_proximal_log_probs(rlp.to(lp.device), lp, v, int(ref), rt.step_id, steps).to(lp.dtype))
+    return out
+
+
+def reuses_train_log_probs(args: Any, num_microbatches: list[int]) -> bool:
+    """Asked by slime's trainer (``patches/slime-skip-proximal-recompute.patch``) before it runs its
+    separate log-prob forward: True when this loss takes pi_prox from its own training forward
+    (one optimizer step per rollout, ``april_prox_log_probs: auto | loglinear``) or interpolates it
+    (``loglinear``), and nothing else of slime's step needs the recomputed log-probs."""
+    config = config_for(args)
+    if config.prox_log_probs == "recompute":
+        return False
+    if len(num_microbatches) != 1 and config.prox_log_probs != "loglinear":
+        return False
+    # what else reads slime's recomputed log-probs (as slime's own can_reuse_log_probs_in_loss lists it)
+    return not (getattr(args, "kl_coef", 0) or getattr(args, "use_critic", False)
+                or getattr(args, "keep_old_actor", False) or getattr(args, "use_opd", False)
+                or (getattr(args, "use_routing_replay", False)
+                    and not getattr(args, "use_rollout_routing_replay", False)))
 
 
 # ---------------------------------------------------------------------------- custom loss
@@ -341,7 +352,7 @@ def policy_loss(
     whole, packing, mask = mb.whole, mb.packing, mb.whole.loss_mask
     if config.vcpo_baseline:
         opob = _opob_loss(mb, logits)
-        objective = _opob_objective(opob, whole)
+        objective = opob.objective(whole.log_probs, whole.old_log_probs, whole.rollout_log_probs, mask)
         pg_loss = opob.loss
     else:
         objective = offpolicy.policy_objective(
@@ -390,16 +401,21 @@ def policy_loss(
         compared = local_log_probs.detach() if anchored_on_rollout else local_old
         metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean((compared - local_rollout).abs())
 
+    if local_rollout is not None:
+        metrics[METRIC_PREFIX + "kl_rollout_train_k3"] = sum_of_sample_mean(
+            loss_metrics.kl_rollout_train(local_rollout, local_log_probs))
+
+    per_token_loss = bool(getattr(args, "calculate_per_token_loss", False))
     behaviour_ratio = offpolicy.safe_exp(objective.behaviour_log_ratio)
     per_token = {
-        "trained_frac": torch.ones_like(objective.ratio),
         "ratio_mean": objective.ratio,
-        "ratio_max": packing.expand(packing.max(objective.ratio, mask)),
+        "ratio_max": loss_metrics.per_sample(packing.max(objective.ratio, mask), packing, mask, per_token_loss),
         "is_weight_mean": objective.is_weight,
         "truncated_frac": objective.truncated,
         "masked_frac": 1.0 - objective.keep,
         "behaviour_ratio_mean": behaviour_ratio,
-        **_weight_metrics(packing, mask, objective.sequence_log_weights),
+        **loss_metrics.weight_metrics(packing, mask, objective.sequence_log_weights, per_token_loss),
+        **loss_metrics.is_weight_quantiles(objective.behaviour_log_ratio, mask),
     }
     local_metrics = {k: mb.to_local(v) for k, v in per_token.items()}
     if mb.versions is not None:
@@ -407,6 +423,9 @@ def policy_loss(
     for key, value in local_metrics.items():
         metrics[METRIC_PREFIX + key] = sum_of_sample_mean(value.to(local_log_probs.dtype))
     return loss, {k: torch.as_tensor(v, device=logits.device).detach().clone().float() for k, v in metrics.items()}
+
+
+policy_loss.reuses_train_log_probs = reuses_train_log_probs  # type: ignore[attr-defined]  # asked by slime (patch)
 
 
 # ------------------------------------------------------------------------------------ VCPO
@@ -458,44 +477,30 @@ def _opob_loss(mb: SlimeMicrobatch, logits: torch.Tensor) -> OpobResult:
 
     Settings were checked by ``vcpo.check_settings`` when the runtime was created: copris mode,
     sequence-level weights, no context parallelism (local = whole responses here), and copris
-    mode has already required the rollout log-probs.
+    mode has already required the rollout log-probs. The rewards are the raw ones
+    ``vcpo.opob_advantages`` wrote, the prompt groups come from the metadata it wrote.
     """
     rt = _vcpo_runtime()
-    if rt.grad_norms is None:
+    if rt.opob is None:
         raise AprilConfigError("april_vcpo_baseline: the before-train-step hook has not attached the model's "
                                "per-sample gradient hooks")
+    groups = None
+    if rt.opob.options.scope == "group":
+        entries = [(m or {}).get(OPOB_GROUP_KEY) for m in (mb.metadata or [None] * len(mb.log_probs))]
+        if any(e is None for e in entries):
+            raise AprilConfigError(
+                "april_vcpo_baseline_scope: group needs each sample's prompt group, which "
+                "april_slime.vcpo.opob_advantages (--custom-advantage-function-path) writes to the sample's metadata "
+                "and patches/slime-forward-train-metadata.patch hands to the loss; or set "
+                "april_vcpo_baseline_scope: global")
+        groups = SampleGroups([e["group"] for e in entries], [e["size"] for e in entries],
+                              [e["reward_std"] for e in entries])
     # The layers' activations hold whole samples (prompt and response) back to back, then padding.
     stream = offpolicy.Packing.from_lengths(mb.total_lengths, device=logits.device)
-    correction, low, high = rt.is_correction
     return opob_policy_loss(
         mb.log_probs, mb.rollout_log_probs, list(mb.whole.loss_mask.split([lp.numel() for lp in mb.log_probs])),
-        _per_sample_rewards(list(mb.advantages)),
-        stream.packed_segment_ids(logits.shape[1]), grad_norms=rt.grad_norms,
-        correction=correction, low=low, high=high)
-
-
-def _opob_objective(opob: OpobResult, whole: PackedSamples) -> offpolicy.PolicyObjective:
-    """The per-token view of the OPOB term, so that it reports the same metrics as the PPO path.
-
-    ``loss`` holds the per-token terms w_i * (-log pi_t) whose plain sum is ``opob.loss``; the
-    ratio is the unclipped sequence ratio pi_theta / pi_rollout (nothing is clipped).
-    """
-    packing, mask = opob.packing, whole.loss_mask
-    clean = offpolicy.check_finite({"log_probs": whole.log_probs, "old_log_probs": whole.old_log_probs.detach()},
-                                   mask, packing)
-    behaviour_log_ratio = offpolicy.masked_log_ratio(clean["old_log_probs"], whole.rollout_log_probs, mask)
-    dtype = whole.old_log_probs.dtype
-    weight = packing.expand(opob.is_weights.to(dtype))
-    return offpolicy.PolicyObjective(
-        loss=-weight * clean["log_probs"] * mask.to(dtype),
-        ratio=packing.expand(offpolicy.safe_exp(opob.seq_log_ratios).to(dtype)),
-        clipped=torch.zeros_like(mask, dtype=dtype),
-        is_weight=weight,
-        keep=packing.expand(opob.keep.to(dtype)),
-        truncated=packing.expand(opob.truncated.to(dtype)),
-        behaviour_log_ratio=behaviour_log_ratio,
-        sequence_log_weights=offpolicy.sequence_log_weights(behaviour_log_ratio, packing, mask),
-    )
+        _per_sample_rewards(list(mb.advantages)), stream.packed_segment_ids(logits.shape[1]),
+        accumulator=rt.opob, groups=groups, options=rt.opob.options)
 
 
 # ------------------------------------------------------------------------------- TIS hook
@@ -556,12 +561,14 @@ def tis(
     sequence_log_weights = offpolicy.sequence_log_weights(behaviour, packing, mask)
     behaviour_ratio = offpolicy.safe_exp(behaviour)
     per_token = {
-        "trained_frac": torch.ones_like(behaviour),
         "behaviour_ratio_mean": behaviour_ratio,
         "is_weight_mean": weights.weights,
         "truncated_frac": weights.truncated,
         "masked_frac": 1.0 - weights.keep,
-        **_weight_metrics(packing, mask, sequence_log_weights),
+        "kl_rollout_train_k3": loss_metrics.kl_rollout_train(whole.rollout_log_probs, whole.old_log_probs),
+        **loss_metrics.weight_metrics(packing, mask, sequence_log_weights,
+                                      bool(getattr(args, "calculate_per_token_loss", False))),
+        **loss_metrics.is_weight_quantiles(behaviour, mask),
     }
     metrics = {METRIC_PREFIX + k: mb.to_local(v).detach().clone() for k, v in per_token.items()}
     if mb.versions is not None:

@@ -35,13 +35,15 @@ from collections import Counter
 from typing import Any
 
 from april_slime.core.config import AprilConfigError
+from april_slime.core.dispatch import DeploymentHints, router_dropped_fields
 from april_slime.core.episodes import EpisodeRunner
 from april_slime.core.front import EpisodeFront
 from april_slime.core.keys import METRIC_PREFIX
+from april_slime.core.sglang_protocol import EngineError
 from april_slime.core.types import Group
 from april_slime.data_source import AprilDataSource, load_config
 from april_slime.generate_functions import GenerateFunctions
-from april_slime.samples import SampleCodec, slime_attr
+from april_slime.samples import SampleCodec, leaves, one_shape, slime_attr
 
 logger = logging.getLogger(__name__)
 
@@ -162,13 +164,23 @@ class _Runtime:
 
         await self._start_episodes()
         fresh = await EngineClient.from_router(
-            self.router_url, timeout_s=self.config.request_timeout_s, max_retries=self.config.max_retries,
+            self.router_url, dispatch=self.config.dispatch, hints=deployment_hints(self.args),
+            timeout_s=self.config.request_timeout_s, max_retries=self.config.max_retries,
             retry_backoff_s=self.config.retry_backoff_s, vocab_size=_vocab_size(self.codec))
-        if self.client is not None and fresh.engine_urls == self.client.engine_urls:
+        if self.client is not None and fresh.dispatch == self.client.dispatch:
             await fresh.close()
             return
+        try:
+            check_router_fields(fresh.dispatch, self.args)
+        except BaseException:
+            await fresh.close()
+            raise
+        if self.client is None or fresh.dispatch.mode != self.client.dispatch.mode:
+            logger.info("april_slime: %s", fresh.dispatch.describe())
+            for note in fresh.dispatch.notes:
+                logger.info("april_slime: %s", note)
         if self.client is not None:
-            logger.info("rollout engines changed: %s -> %s", self.client.engine_urls, fresh.engine_urls)
+            logger.info("rollout engines changed: %s -> %s", self.client.worker_urls, fresh.worker_urls)
             await self.client.close()
         self.client = _PolicyVersionClient(fresh, self.version_offset or 0)
         self.scheduler = self._build_scheduler()
@@ -203,7 +215,7 @@ class _Runtime:
         # the engines out of dispatch are asked only when none in dispatch answers: one of them may
         # be back, and the step's own probes readmit it (else one dead engine would end the job)
         others = [u for u in self.client.engine_urls if u not in usable]
-        raw, replies = [], []
+        raw, errors = [], []
         for urls in (usable, others):
             replies = await asyncio.gather(*(self.client.client.weight_version(u) for u in urls),
                                            return_exceptions=True)
@@ -213,10 +225,13 @@ class _Runtime:
                     if not isinstance(r, Exception):
                         raise r
                     logger.warning("engine %s did not report its weight version: %s", url, r)
+                    errors.append(r)
             if raw:
                 break
         if not raw:
-            raise next(r for r in replies if isinstance(r, BaseException))
+            # every engine was asked (in dispatch or not) and none answered: the step cannot start;
+            # the last engine's own error says why (a caller retries the step on EngineError)
+            raise errors[-1] if errors else EngineError("no rollout engine to ask for its weight version")
         if len(set(raw)) > 1:
             logger.warning("rollout engines report different weight versions %s; using the newest", raw)
         newest = max(raw)
@@ -239,27 +254,38 @@ class _Runtime:
         return [await self._hooked(s) for s in self.codec.samples(group, self.current_version)]
 
     async def _reward_group(self, group: Group) -> None:
-        """slime's reward path (``async_rm`` per sample, ``batched_async_rm`` with --group-rm);
-        a reward already set (kept through ``add_samples``) is not recomputed, as in slime."""
-        samples = await self._samples(group)
+        """slime's reward path (``async_rm`` per sample, ``batched_async_rm`` with --group-rm over
+        every sample of the group); a reward already set (kept through ``add_samples``, or set by a
+        generate function) is not recomputed, as in slime. An episode that returned list[Sample]
+        gets the list of its samples' rewards."""
+        entries = await self._samples(group)
         args = self.args
-        if getattr(args, "group_rm", False):
-            rewards = await self.slime.batched_async_rm(args, samples)
-            pairs = list(zip(group.trajectories, rewards, strict=True))
+        # (trajectory, its samples, which of them need a reward)
+        shapes = [(t, e if isinstance(e, list) else [e]) for t, e in zip(group.trajectories, entries)]
+        group_rm = getattr(args, "group_rm", False)
+        todo = [(t, n, s) for t, samples in shapes for n, s in enumerate(samples)
+                if group_rm or (t.reward is None and (t.episode_samples is None or s.reward is None))]
+        if group_rm:
+            rewards = await self.slime.batched_async_rm(args, [s for _, _, s in todo])
         else:
-            todo = [(t, s) for t, s in zip(group.trajectories, samples) if t.reward is None]
-            rewards = await asyncio.gather(*(self.slime.async_rm(args, s) for _, s in todo))
-            pairs = [(t, r) for (t, _), r in zip(todo, rewards)]
-        for t, reward in pairs:
+            rewards = await asyncio.gather(*(self.slime.async_rm(args, s) for _, _, s in todo))
+        new = {}
+        for (t, n, _), reward in zip(todo, rewards, strict=True):
             if reward is None:
                 raise ValueError(f"reward function returned None for sample {t.uid}")
-            t.reward = reward
+            new[(t.uid, n)] = reward
+        for t, samples in shapes:
+            if t.episode_samples is None:
+                if (t.uid, 0) in new:
+                    t.reward = new[(t.uid, 0)]
+            elif t.reward is None or group_rm:
+                t.reward = [new.get((t.uid, n), s.reward) for n, s in enumerate(samples)]
 
     def _keep_group(self, group: Group) -> bool:
         """slime's dynamic sampling filter, ``f(args, samples) -> DynamicFilterOutput | bool``.
         ``keep_when_insufficient`` has no effect: the scheduler keeps generating until the batch is
         full, so dropping a group never leaves the batch short."""
-        samples = self.codec.samples(group, self.current_version)
+        samples = leaves(self.codec.samples(group, self.current_version))
         output = self.slime.call_dynamic_filter(self.filter_fn, self.args, samples)
         if not output.keep and output.reason:
             self.filter_drops[output.reason] += 1
@@ -282,7 +308,8 @@ class _Runtime:
             if not group.complete:
                 raise RuntimeError(f"rollout {rollout_id}: group {group.uid} returned incomplete")
             groups.append([await self._hooked(s) for s in self.codec.samples(group, version)])
-        groups.sort(key=lambda g: g[0].index)
+        groups.sort(key=lambda g: leaves(g)[0].index)
+        groups = one_shape(groups)
         metrics = dict(result.metrics)
         metrics.update({f"rollout/dynamic_filter/drop_{r}": c for r, c in self.filter_drops.items()})
         metrics[METRIC_PREFIX + "policy_version"] = version
@@ -351,6 +378,30 @@ def _eos_token_ids(codec: SampleCodec) -> list[int]:
         eos = None
     ids += [eos] if isinstance(eos, int) else [t for t in (eos or []) if isinstance(t, int)]
     return sorted(set(ids))
+
+
+def deployment_hints(args: Any) -> DeploymentHints:
+    """What slime's own arguments say about its router: PD disaggregation (``--prefill-num-servers``,
+    the router's ``--router-pd-disaggregation``), a DP-aware router, the router's policy."""
+    return DeploymentHints(
+        pd_disaggregation=getattr(args, "prefill_num_servers", None) is not None
+        or bool(getattr(args, "router_pd_disaggregation", False)),
+        dp_aware_router=bool(getattr(args, "router_dp_aware", False)),
+        router_policy=getattr(args, "router_policy", None))
+
+
+def check_router_fields(dispatch: Any, args: Any) -> None:
+    """Before the first call: a job whose requests carry a field the router drops cannot run with
+    router dispatch (its replies would silently lack what the field asks for)."""
+    if dispatch.mode != "router":
+        return
+    probe = {"sampling_params": sampling_params(args),
+             "return_routed_experts": bool(getattr(args, "use_rollout_routing_replay", False))}
+    dropped = router_dropped_fields(probe)
+    if dropped:
+        raise AprilConfigError(f"april_dispatch: {dispatch.describe()}, but the router drops {', '.join(dropped)}, "
+                               "which this job's requests need; run the engines without the router's help "
+                               "(april_dispatch: direct, regular workers)")
 
 
 def sampling_params(args: Any) -> dict[str, Any]:

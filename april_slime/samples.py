@@ -23,6 +23,7 @@ from typing import Any
 from april_slime.core.config import AprilConfig, AprilConfigError
 from april_slime.core.keys import POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
+from april_slime.slime_compat import data_source_module
 
 _STATUS_TO_SLIME = {
     TrajectoryStatus.PENDING: "PENDING",
@@ -43,8 +44,8 @@ class Slime:
             self.Sample = slime_attr("slime.utils.types", "Sample")
             self.load_tokenizer = slime_attr("slime.utils.processing_utils", "load_tokenizer")
             self.load_function = slime_attr("slime.utils.misc", "load_function")
-            self.run = slime_attr("slime.utils.async_utils", "run")
-            self.RolloutDataSource = slime_attr("slime.rollout.data_source", "RolloutDataSource")
+            # moved to slime.data.data_source in slime 0.4.0 (april_slime.slime_compat)
+            self.RolloutDataSource = slime_attr(data_source_module(), "RolloutDataSource")
             self.async_rm = slime_attr("slime.rollout.rm_hub", "async_rm")
             self.batched_async_rm = slime_attr("slime.rollout.rm_hub", "batched_async_rm")
             self.call_dynamic_filter = slime_attr("slime.rollout.filter_hub.base_types", "call_dynamic_filter")
@@ -171,7 +172,10 @@ class SampleCodec:
 
     def sample(self, group: Group, t: Trajectory, current_version: int | None) -> Any:
         """The slime sample of one trajectory, shaped as slime's own ``generate`` leaves it (an
-        episode's: as its generate function returned it, with the plugin's metadata added)."""
+        episode's: as its generate function returned it, with the plugin's metadata added; a list
+        of samples where the function returned one)."""
+        if t.episode_samples is not None:
+            return self._fanout_samples(group, t, current_version)
         if t.episode_sample is not None:
             return self._episode_sample(group, t, current_version)
         Sample = self.slime.Sample
@@ -182,39 +186,58 @@ class SampleCodec:
         s.response = (self.tokenizer.decode(t.response_ids, skip_special_tokens=bool(
             getattr(self.args, "rollout_skip_special_tokens", False))) if t.response_ids else "")
         s.rollout_log_probs = [float(lp) for lp in t.logprobs]
-        s.loss_mask = self._loss_mask(t, current_version)
+        s.loss_mask = self._loss_mask(t.loss_mask, t.token_versions(), current_version)
         s.status = Sample.Status[_STATUS_TO_SLIME[t.status]]
-        return self._with_plugin_fields(s, group, t, current_version)
+        return self._with_plugin_fields(s, group.restarts, t.reward, t.version_runs, t.call_versions, t.num_calls,
+                                        t.num_aborts, current_version)
 
     def _episode_sample(self, group: Group, t: Trajectory, current_version: int | None) -> Any:
         s = self.slime.Sample.from_dict(copy.deepcopy(t.episode_sample))
         s.group_index = group.payload["group_index"]
         s.index = group.payload["indices"][t.index_in_group]
-        s.loss_mask = self._loss_mask(t, current_version)
-        return self._with_plugin_fields(s, group, t, current_version)
+        s.loss_mask = self._loss_mask(t.loss_mask, t.token_versions(), current_version)
+        return self._with_plugin_fields(s, group.restarts, t.reward, t.version_runs, t.call_versions, t.num_calls,
+                                        t.num_aborts, current_version)
+
+    def _fanout_samples(self, group: Group, t: Trajectory, current_version: int | None) -> list[Any]:
+        """The samples of an episode whose function returned a list, as it returned them (their
+        indices and rollout_id its own, as slime keeps them), each with its own versions."""
+        out = []
+        for n, entry in enumerate(t.episode_samples):
+            s = self.slime.Sample.from_dict(copy.deepcopy(entry["sample"]))
+            runs = entry["version_runs"]
+            versions = [v for v, c in runs for _ in range(c)]
+            s.loss_mask = self._loss_mask(s.loss_mask, versions, current_version)
+            reward = t.reward[n] if t.reward is not None else s.reward
+            out.append(self._with_plugin_fields(s, group.restarts, reward, runs, entry["call_versions"],
+                                                entry["num_calls"], entry["num_aborts"], current_version))
+        return out
 
     @staticmethod
-    def _with_plugin_fields(s: Any, group: Group, t: Trajectory, current_version: int | None) -> Any:
+    def _with_plugin_fields(s: Any, group_restarts: int, reward: Any, version_runs: list[list[int]],
+                            call_versions: list[int], num_calls: int, num_aborts: int,
+                            current_version: int | None) -> Any:
         """What the plugin adds to every sample it returns: reward, per-call versions, and the
         per-token versions the loss reads (``train_metadata``; also in ``metadata`` for logs)."""
         # slime keeps one engine-reported string per generate call, resumptions included.
-        s.weight_versions = [str(v) for v in t.call_versions]
-        s.reward = t.reward
-        runs = [[int(v), int(c)] for v, c in t.version_runs]
+        s.weight_versions = [str(v) for v in call_versions]
+        s.reward = reward
+        runs = [[int(v), int(c)] for v, c in version_runs]
         info = {TOKEN_VERSIONS_KEY: runs, POLICY_VERSION_KEY: current_version}
         s.train_metadata = {**(s.train_metadata or {}), **info}
-        s.metadata = {**(s.metadata or {}), **info, "april_num_calls": t.num_calls,
-                      "april_num_aborts": t.num_aborts, "april_group_restarts": group.restarts}
+        s.metadata = {**(s.metadata or {}), **info, "april_num_calls": num_calls,
+                      "april_num_aborts": num_aborts, "april_group_restarts": group_restarts}
         return s
 
-    def _loss_mask(self, t: Trajectory, current_version: int | None) -> list[int]:
+    def _loss_mask(self, mask: list[int] | None, versions: list[int], current_version: int | None) -> list[int]:
         # slime's --mask-offpolicy-in-partial-rollout trains only on tokens of the current policy
-        mask = list(t.loss_mask) if t.loss_mask is not None else [1] * t.response_length
+        mask = list(mask) if mask is not None else [1] * len(versions)
         if getattr(self.args, "mask_offpolicy_in_partial_rollout", False) and current_version is not None:
-            return [m * int(v == current_version) for m, v in zip(mask, t.token_versions())]
+            return [m * int(v == current_version) for m, v in zip(mask, versions)]
         return mask
 
     def samples(self, group: Group, current_version: int | None) -> list[Any]:
+        """One entry per trajectory: a sample, or the list an episode's function returned."""
         return [self.sample(group, t, current_version) for t in group.trajectories]
 
     # ------------------------------------------------------------ slime samples -> groups
@@ -286,6 +309,20 @@ class SampleCodec:
             except (TypeError, ValueError):
                 pass
         return versions
+
+
+def leaves(entries: list[Any]) -> list[Any]:
+    """The samples of a group's entries (``SampleCodec.samples``), lists of a fan-out flattened."""
+    return [s for e in entries for s in (e if isinstance(e, list) else [e])]
+
+
+def one_shape(groups: list[list[Any]]) -> list[list[Any]]:
+    """slime flattens the rollout's output one level at a time while its first element is a list,
+    so a batch in which some episode returned list[Sample] must be nested alike throughout: every
+    other sample then becomes a list of one (slime's compact shape, prompt x rollout x samples)."""
+    if not any(isinstance(e, list) for g in groups for e in g):
+        return groups
+    return [[e if isinstance(e, list) else [e] for e in g] for g in groups]
 
 
 def _plain_sample_dict(s: Any) -> dict:

@@ -4,8 +4,9 @@
     python scripts/check_env.py [--slime-dir DIR] [--sglang-dir DIR] [--require-gpu]
 
 Reports: Python, torch and its accelerator (CUDA or ROCm), the GPUs, april_slime, slime (import
-path, git commit against the pinned one), SGLang and sglang-router versions, Ray, and whether the
-patches in ``patches/`` are applied to the slime checkout. Exits 1 when something required is
+path; version and module layout: the pinned 0.3.1 or 0.4.0's; git commit against the pinned one),
+SGLang and sglang-router versions, Ray, and whether the patches in ``patches/`` are applied to the
+slime checkout. Exits 1 when something required is
 missing or wrong, 0 otherwise (warnings do not fail).
 """
 
@@ -121,7 +122,17 @@ def find_slime_dir(r: Report, given: str | None) -> Path | None:
         return Path(given) if given else None
     location = Path(module.__file__).resolve().parent.parent
     r.ok("slime", f"importable from {location}")
-    for name in ("slime.utils.types", "slime.rollout.data_source", "slime.rollout.sglang_rollout"):
+    try:
+        from april_slime import slime_compat
+    except ImportError as e:
+        r.fail("slime version", f"april_slime.slime_compat not importable: {e}")
+        return Path(given) if given else location
+    level, line = slime_compat.describe()
+    r.line(level, "slime version", line)
+    modules = ["slime.utils.types", "slime.rollout.sglang_rollout"]
+    if slime_compat.layout() != "unknown":
+        modules.insert(1, slime_compat.data_source_module())
+    for name in modules:
         try:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - any import-time error makes the plugin unusable
@@ -153,8 +164,21 @@ def check_patches(r: Report, kind: str, directory: Path) -> None:
             r.ok(patch.name, f"applied in {directory}")
         elif applies:
             r.warn(patch.name, f"NOT applied; run: git -C {directory} apply {patch}")
+        elif kind == "slime" and newer_slime():
+            # written for the pinned commit; on a newer slime the files moved, and the loss runs without
+            # per-token versions (only the staleness metrics need them)
+            r.warn(patch.name, f"does not apply to this newer slime in {directory}: the loss gets no per-token "
+                               "versions, so its staleness metrics are left out")
         else:
             r.fail(patch.name, f"neither applied nor applicable in {directory}")
+
+
+def newer_slime() -> bool:
+    try:
+        from april_slime import slime_compat
+    except ImportError:
+        return False
+    return slime_compat.layout() == "0.4"
 
 
 def check_serving(r: Report) -> None:

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from april_slime.workbench.vcpo_timing import CONFIG, build, one_step, per_sample_log_probs
+from april_slime.workbench.vcpo_timing import CONFIG, build, per_sample_log_probs
 
 
 def main(argv=None) -> dict:
@@ -30,15 +30,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, batch = build()
-    tokens, _, mask, resp, cu, _ = batch
+    runner = build()
+    tokens, cu, resp, _ = runner.batch
+    runner.prepare("plain")
     step_t, fwd_t = [], []
     for it in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         with torch.no_grad():
-            per_sample_log_probs(model(tokens, mask), tokens, resp, cu)
+            per_sample_log_probs(runner.model(tokens, cu), tokens, resp, cu)
         t1 = time.perf_counter()
-        one_step("plain", model, batch, None)
+        runner.step("plain")
         t2 = time.perf_counter()
         if it >= args.warmup:
             fwd_t.append(t1 - t0)

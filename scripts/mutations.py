@@ -97,33 +97,34 @@ _SLIME_PATCH = "patches/slime-forward-train-metadata.patch"
 
 
 def _patch_file_sections(text: str) -> list[str]:
-    """The per-file sections of a unified diff (each of this patch's files has one hunk)."""
+    """The per-file sections of a unified diff (each of these patches' files has one hunk)."""
     starts = [m.start() for m in re.finditer(r"^diff --git ", text, flags=re.M)]
     return [text[a:b] for a, b in zip(starts, starts[1:] + [len(text)])]
 
 
 def _slime_patch_mutations() -> list[Mutation]:
-    """One mutation per hunk of the train_metadata patch: that hunk (its whole file section, so
-    the rest still applies) left out. Built from the patch as it is, so a hunk added to it is
-    covered too; the names say which slime file the hunk patches."""
-    path = REPO / _SLIME_PATCH
-    if not path.is_file():
-        return []
-    sections = _patch_file_sections(path.read_text())
+    """One mutation per hunk of each slime patch (patches/slime-*.patch): that hunk (its whole file
+    section, so the rest still applies) left out. Built from the patches as they are, so a hunk or a
+    patch added is covered too; the names say which patch and which slime file the hunk patches
+    (the train_metadata patch keeps its short names)."""
     out = []
-    for i, section in enumerate(sections, start=1):
-        hunks = section.count("\n@@ ")
-        if hunks != 1:
-            raise SystemExit(f"mutations: {_SLIME_PATCH}: section {i} has {hunks} hunks; the hunk mutations "
-                             "assume one per file: split them in scripts/mutations.py")
-        target = re.match(r"diff --git a/(\S+)", section).group(1)
-        short = Path(target).parent.name + "-" + Path(target).stem
-        out.append(Mutation(
-            name=f"slime-patch-hunk-{i}-{short}",
-            what=f"{_SLIME_PATCH} without its hunk for {target}",
-            edits=(Edit(_SLIME_PATCH, section, ""),),
-            tests=("tests/real/training",),
-        ))
+    for path in sorted((REPO / "patches").glob("slime-*.patch")):
+        rel = str(path.relative_to(REPO))
+        sections = _patch_file_sections(path.read_text())
+        prefix = "slime-patch" if rel == _SLIME_PATCH else path.stem
+        for i, section in enumerate(sections, start=1):
+            hunks = section.count("\n@@ ")
+            if hunks != 1:
+                raise SystemExit(f"mutations: {rel}: section {i} has {hunks} hunks; the hunk mutations "
+                                 "assume one per file: split them in scripts/mutations.py")
+            target = re.match(r"diff --git a/(\S+)", section).group(1)
+            short = Path(target).parent.name + "-" + Path(target).stem
+            out.append(Mutation(
+                name=f"{prefix}-hunk-{i}-{short}",
+                what=f"{rel} without its hunk for {target}",
+                edits=(Edit(rel, section, ""),),
+                tests=("tests/real/training",),
+            ))
     return out
 
 
@@ -179,6 +180,98 @@ MUTATIONS: list[Mutation] = [
             "anchor = old_log_probs",
         ),),
         tests=("tests/test_offpolicy.py", "tests/test_loss.py", "tests/real/training/test_slime_loss_modes.py"),
+    ),
+    Mutation(
+        name="opob-group-without-std",
+        what="a completed prompt group subtracts b_g P_g instead of (b_g / s_g) P_g (std normalisation lost "
+             "on the baseline term)",
+        edits=(Edit(
+            "april_slime/training/baseline.py",
+            "torch._foreach_add_(weighted, grads, alpha=-b / group.scale)",
+            "torch._foreach_add_(weighted, grads, alpha=-b)",
+        ),),
+        tests=("tests/test_vcpo_opob.py",),
+    ),
+    Mutation(
+        name="opob-single-sample-norm-misses-sp-shards",
+        what="a one-sample micro-batch's norm counts sequence-parallel replicated parameters on TP rank 0 only, "
+             "without summing their partial gradients over the TP group",
+        edits=(Edit(
+            "april_slime/training/grad_norms.py",
+            'if self.tp_size > 1 and getattr(p, "sequence_parallel", False):',
+            "if False:",
+        ),),
+        tests=("tests/real/training/test_vcpo_megatron_tp.py",),
+    ),
+    Mutation(
+        name="opob-advantages-normalised-rewards",
+        what="the baseline takes slime's group-normalised rewards instead of the raw ones",
+        edits=(Edit(
+            "april_slime/vcpo.py",
+            "rewards = [raw_all[i] for i in partition]",
+            'rewards = rollout_data["rewards"]',
+        ),),
+        tests=("tests/test_vcpo.py", "tests/real/training/test_slime_train_step.py"),
+    ),
+    Mutation(
+        name="proximal-reuse-with-several-steps",
+        what="the custom loss tells slime to skip its log-prob recompute whatever the number of optimizer steps "
+             "per rollout",
+        edits=(Edit(
+            "april_slime/loss.py",
+            'if len(num_microbatches) != 1 and config.prox_log_probs != "loglinear":',
+            "if False:",
+        ),),
+        tests=("tests/real/training/test_slime_train_step.py",),
+    ),
+    Mutation(
+        name="loglinear-first-step-keeps-fresh-tokens-on-the-rollout",
+        what="loglinear's first step takes the rollout log-probs for tokens of the current version instead of "
+             "the trained policy's",
+        edits=(Edit(
+            "april_slime/training/proximal.py",
+            "        return torch.ones_like(lag)",
+            "        return (lag > 0).to(torch.float64)",
+        ),),
+        tests=("tests/real/training/test_slime_train_step.py",),
+    ),
+    Mutation(
+        name="router-abort-not-fanned-out",
+        what="through the router, an abort goes to the router (which has no /abort_request) instead of "
+             "to every engine",
+        edits=(Edit(
+            "april_slime/core/dispatch.py",
+            "return list(self.engines) if self.is_router(target) else [normalise_url(target)]",
+            "return [normalise_url(target)]",
+        ),),
+        tests=("tests/test_dispatch.py", "tests/real/test_router_dispatch.py"),
+    ),
+    Mutation(
+        name="auto-dispatch-ignores-pd",
+        what="auto dispatch sends generates straight to PD-disaggregated workers",
+        edits=(Edit("april_slime/core/dispatch.py", "    if needs_router:\n", "    if False:\n"),),
+        tests=("tests/test_dispatch.py",),
+    ),
+    Mutation(
+        name="slime-0.4-data-source-not-found",
+        what="slime 0.4.0's moved data source module is not looked for",
+        edits=(Edit(
+            "april_slime/slime_compat.py",
+            'DATA_SOURCE_MODULES = ("slime.rollout.data_source", "slime.data.data_source")',
+            'DATA_SOURCE_MODULES = ("slime.rollout.data_source",)',
+        ),),
+        tests=("tests/test_slime_compat.py",),
+    ),
+    Mutation(
+        name="episode-tokens-take-first-version",
+        what="an episode's returned sample gives every model token the version of its first served token",
+        edits=(Edit(
+            "april_slime/generate_functions.py",
+            "            last = next(by_token)\n",
+            "            last = trainable_versions[0]\n",
+        ),),
+        tests=("tests/test_episodes.py", "tests/test_generate_functions.py", "tests/real/test_episodes_real.py",
+               "tests/real/test_agent_examples_real.py"),
     ),
     *_slime_patch_mutations(),
 ]

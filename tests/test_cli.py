@@ -93,10 +93,18 @@ def test_emulator_reports_an_engine_port_in_use(capsys):
     assert rc == 1 and f"port {taken} (engine 1 of 2)" in line
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    # A command run in the background of a shell without job control (a CI step's `cmd &`) starts
+    # with SIGINT ignored, and its children inherit that: Ctrl-C is what this test sends, so the
+    # child gets the disposition a terminal gives it (Python then turns SIGINT into KeyboardInterrupt).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_emulator_still_serves_on_free_ports():
     proc = subprocess.Popen([sys.executable, "-m", "april_slime.workbench.cli", "emulator", "--port", "0",
                              "--engines", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ctrl_c_as_in_a_terminal)
     try:
         lines = [proc.stdout.readline() for _ in range(3)]
         assert lines[0].startswith("router http://127.0.0.1:")

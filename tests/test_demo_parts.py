@@ -1,5 +1,5 @@
-"""The demo's pieces that need neither SGLang nor transformers: task, reward, advantages, the
-sample-mean reducer, settings and command-line checks. The whole loop runs in tests/real/test_demo.py."""
+"""The demo's pieces that need no SGLang: task, reward, advantages, the sample-mean reducer, the
+supervised loss, settings and command-line checks. The whole loop runs in tests/real/test_demo.py."""
 
 from __future__ import annotations
 
@@ -100,3 +100,105 @@ def test_cli_says_what_is_missing_without_the_real_stack(monkeypatch, capsys):
     monkeypatch.setattr("april_slime.workbench.localstack.real_stack_missing", lambda: "SGLang is not installed (here)")
     assert cli.main(["--quick"]) == 2
     assert "needs the real-stack environment: SGLang is not installed (here)" in capsys.readouterr().err
+
+
+def test_a_shared_prompt_prefix_runs_once_with_the_same_loss_and_gradients():
+    """``sft_loss`` runs a prefix every demonstration shares (a system prompt) once and the rest on
+    its cache: loss and gradients are those of the plain padded batch."""
+    transformers = pytest.importorskip("transformers")
+    import random
+
+    from april_slime.workbench.demo.policy import SHARED_PREFIX_MIN, _padded, sft_loss, shared_prefix
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    model = transformers.Qwen3ForCausalLM(config).float()
+    rng = random.Random(0)
+    prefix = [rng.randrange(1, 50) for _ in range(SHARED_PREFIX_MIN + 8)]
+    rows, prompt_lengths, trained = [], [], []
+    for k in range(4):
+        prompt = prefix + [rng.randrange(1, 50) for _ in range(k % 3)]
+        response = [rng.randrange(1, 50) for _ in range(3 + 2 * k)]
+        rows.append(prompt + response)
+        prompt_lengths.append(len(prompt))
+        # a tool output inside the response is not trained on
+        trained.append([False] * len(prompt) + [j not in (1, 2) for j in range(len(response))])
+    assert shared_prefix(rows, prompt_lengths) == len(prefix) - 1  # the shortest prompt is the prefix itself
+
+    grads = []
+    for shared in (True, False):
+        model.zero_grad()
+        if shared:
+            loss = sft_loss(model, rows, prompt_lengths, trained, pad=0)
+        else:
+            ids, mask, target = _padded(rows, trained, pad=0)
+            loss = model(input_ids=ids, attention_mask=mask, labels=target).loss
+        loss.backward()
+        grads.append((float(loss), [p.grad.clone() for p in model.parameters()]))
+    (a, ga), (b, gb) = grads
+    assert a == pytest.approx(b, rel=1e-5)
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(ga, gb))
+
+
+# ------------------------------------------------------------------ the tool task
+def test_tool_task_scores_the_last_answer_and_calculates_products_only():
+    from april_slime.workbench.demo import tool_task
+
+    assert tool_task.score("<calc>12*3</calc><result>36</result><answer>36</answer>", "36") == 1.0
+    assert tool_task.score("<answer>35</answer><answer>36</answer>", "36") == 1.0
+    assert tool_task.score("<answer>36</answer><answer>35</answer>", "36") == 0.0
+    assert tool_task.score("<calc>12*3</calc><result>36</result>", "36") == 0.0  # no answer
+    assert tool_task.calculate("12*3") == "36" and tool_task.calculate("7") == "7"
+    assert tool_task.calculate("12**3") == "error" and tool_task.calculate("*") == "error"
+    sample = SimpleNamespace(index=0, label="36", response="<answer>36</answer>")
+    assert asyncio.run(tool_task.reward(None, sample)) == 1.0
+
+
+def test_tool_task_demonstrations_call_the_tool_or_guess_within_the_budget():
+    import random
+
+    from april_slime.workbench.demo import tool_task
+
+    spec = tool_task.ToolPolicySpec()
+    tokenizer = tool_task.build_tokenizer()
+    kinds = {"call": 0, "guess": 0}
+    for i in range(300):
+        prompt, segments = tool_task.demonstration(random.Random(i), spec)
+        assert prompt.endswith("=") and len(prompt) == 2 * spec.num_digits + 2
+        for text, trained in segments:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            assert tokenizer.decode(ids) == text  # tags are one token each and decode back
+            if trained:
+                assert len(ids) <= spec.max_response_len
+        if len(segments) == 3:
+            call = tool_task.CALL.search(segments[0][0]).group(1)
+            assert segments[1] == (tool_task.observation(tool_task.calculate(call)), False)
+            kinds["call"] += 1
+        else:
+            assert len(segments) == 1 and "<answer>" in segments[0][0]
+            kinds["guess"] += 1
+    assert 0.3 < kinds["guess"] / 300 < 0.5  # skip_prob 0.4
+
+
+def test_tool_task_prompt_file_and_settings(tmp_path):
+    from april_slime.workbench.demo import tool_task
+    from april_slime.workbench.demo.loop import TOOL_QUICK
+
+    spec = tool_task.ToolPolicySpec()
+    rows = [json.loads(line) for line in tool_task.write_prompts(tmp_path / "p.jsonl", 40, spec, 1).read_text()
+            .splitlines()]
+    assert len({r["prompt"] for r in rows}) == 40
+    for r in rows:
+        a, b = r["prompt"].removesuffix("=").split("*")
+        assert r["label"] == str(int(a) * int(b))
+    assert TOOL_QUICK.task == "tool"
+    with pytest.raises(ValueError, match="ToolPolicySpec"):
+        DemoSettings(task="tool")
+    with pytest.raises(ValueError, match="task"):
+        DemoSettings(task="chat")
+    with pytest.raises(ValueError, match="max_response_len"):
+        tool_task.ToolPolicySpec(max_response_len=6)
+    ns = cli._parser().parse_args(["--task", "tool", "--quick", "--sft-steps", "10"])
+    settings = cli.settings_from(ns)
+    assert settings.task == "tool" and settings.policy.sft_steps == 10 and settings.policies == ("sync", "copris")

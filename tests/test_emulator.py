@@ -517,3 +517,36 @@ async def test_emulator_replies_like_sglang_0_5_23_field_by_field():
         assert meta["weight_versions"] == [{"version": str(start + 1), "start": 0, "end": 4}]
     stop = got["generate_stop_token"]["reply"]
     assert stop["status"] == 400 and "stop_token_ids" in stop["body"]["error"]["message"]
+
+
+@pytest.mark.parametrize("max_lag_s", [None, 0.0])
+def test_a_starved_engine_catches_up_unless_its_lag_is_bounded(max_lag_s):
+    """Real clock: the loop is blocked (a starved process) for twice the time a request needs. An
+    engine that catches up finishes it in the next few loop turns; one with ``max_lag_s`` counts
+    the lost time as its own pause and has produced almost nothing when the loop comes back."""
+    import time as wall
+
+    from april_slime.workbench.emulator import EngineConfig, TimeModel
+    from april_slime.workbench.emulator.batching import EmulatedEngine
+
+    async def main():
+        config = EngineConfig(time=TimeModel(decode_t0=0.01), kv_capacity_tokens=100_000, max_lag_s=max_lag_s)
+        engine = EmulatedEngine(SyntheticLM(seed=0), config)
+        engine.start()
+        task = asyncio.get_running_loop().create_task(
+            engine.generate("r", [1, 2, 3, 4], 100, 0, ignore_eos=True))  # 100 steps of 10 ms: 1 s
+        while engine.decoded_tokens == 0:  # the engine is decoding it
+            await asyncio.sleep(0.01)
+        wall.sleep(2.0)  # the loop gets no turn
+        for _ in range(50):
+            await asyncio.sleep(0)
+        finished = task.done()
+        await engine.stop()
+        reply = await task
+        return finished, reply["meta_info"]["completion_tokens"]
+
+    finished, tokens = asyncio.run(main())
+    if max_lag_s is None:
+        assert finished and tokens == 100
+    else:
+        assert not finished and tokens < 100

@@ -130,7 +130,10 @@ def test_a_hung_tool_is_ended_by_the_tool_deadline_and_rerun(cluster, tmp_path, 
         assert time.monotonic() < deadline, "the tool deadline never fired"
         time.sleep(0.05)
     more, more_totals = run_steps(args, source, cluster, 3, first=1)
-    assert totals.get("april/episodes/timeouts", 0) + more_totals["april/episodes/timeouts"] == 1
+    # the hung tool's timeout, counted once; on a starved machine another episode's tool phase (the
+    # loop's own delays included) can pass the short deadline too, and is re-run the same way
+    assert totals.get("april/episodes/timeouts", 0) + more_totals["april/episodes/timeouts"] >= 1
+    assert af.CONTROL["hang"][1] == 0
     samples.update(more)
     assert 1 in samples, "the re-run sample never trained"
     check_sample(samples[1], version_floor=1)

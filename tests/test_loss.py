@@ -237,8 +237,11 @@ def test_copris_without_recomputed_log_probs_uses_the_current_policy():
 def test_configuration_errors_are_clear():
     batch, logits = make_batch(seed=9)
     no_old = dict(batch, log_probs=None)
-    with pytest.raises(AprilConfigError, match="decoupled needs the recomputed"):
-        april_loss.policy_loss(make_args(), no_old, logits, reducer_for(batch))
+    with pytest.raises(AprilConfigError, match="decoupled with april_prox_log_probs: recompute needs"):
+        april_loss.policy_loss(make_args(april_prox_log_probs="recompute"), no_old, logits, reducer_for(batch))
+    two_steps = dict(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=4)
+    with pytest.raises(AprilConfigError, match="2 optimizer steps per rollout needs the proximal.*loglinear"):
+        april_loss.policy_loss(make_args(**two_steps), no_old, logits, reducer_for(batch))
     no_rollout = dict(batch, rollout_log_probs=None)
     with pytest.raises(AprilConfigError, match="copris needs rollout log-probs"):
         april_loss.policy_loss(make_args(april_is_mode="copris"), no_rollout, logits, reducer_for(batch))
@@ -373,6 +376,46 @@ def test_metrics_are_exact_under_slimes_per_sample_count_reduction():
     true_ess_ratio = float(seq_w.sum() ** 2 / seq_w.square().sum() / seq_w.numel())
     from_metrics = logged["april/seq_weight"] ** 2 / (logged["april/trained_frac"] * logged["april/seq_weight_sq"])
     assert from_metrics == pytest.approx(true_ess_ratio, rel=1e-6)
+
+
+def test_metrics_are_exact_under_slimes_per_token_count_reduction():
+    """--calculate-per-token-loss: slime sums the metrics as plain token sums and divides by its token
+    count, in which a sample without a trained token counts as one token. The per-sample metrics sit
+    on one token per sample, so trained_frac and the ESS formula still read the step's samples; the
+    new metrics are the k3 KL(rollout || train) and the token-weight quantiles."""
+    batch, logits = make_batch(seed=24, prompt_lengths=(2,) * 8, response_lengths=(3, 5, 2, 4, 6, 3, 4, 5),
+                               spread=0.9)
+    batch["loss_masks"][5] = torch.zeros_like(batch["loss_masks"][5])
+    masks = batch["loss_masks"]
+    tokens = sum(max(int(m.sum()), 1) for m in masks)  # slime's loss_function count
+
+    def token_sum(x):
+        return sum((xi * mi).sum() for xi, mi in zip(x.split(batch["response_lengths"]), masks))
+
+    args = make_args(april_is_mode="on_policy", april_is_correction="none", calculate_per_token_loss=True)
+    _, metrics = april_loss.policy_loss(args, batch, logits, token_sum)
+    logged = {k: v.item() / tokens for k, v in metrics.items()}
+    assert logged["april/trained_frac"] == pytest.approx(7 / tokens)
+    seq_w = torch.tensor([math.exp(float(((o - r) * m).sum())) for o, r, m in
+                          zip(batch["log_probs"], batch["rollout_log_probs"], masks) if m.any()], dtype=torch.float64)
+    true_ess_ratio = float(seq_w.sum() ** 2 / seq_w.square().sum() / seq_w.numel())
+    from_metrics = logged["april/seq_weight"] ** 2 / (logged["april/trained_frac"] * logged["april/seq_weight_sq"])
+    assert from_metrics == pytest.approx(true_ess_ratio, rel=1e-6) and true_ess_ratio < 0.9
+    # the token-weighted reading of the same sums (each sample weighted by its tokens) is told apart
+    lengths = torch.tensor([float(m.sum()) for m in masks if m.any()], dtype=torch.float64)
+    token_weighted = float((lengths * seq_w).sum() ** 2 / (lengths.sum() * (lengths * seq_w.square()).sum()))
+    assert abs(token_weighted - true_ess_ratio) > 1e-3
+
+    current = direct_log_probs(logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"],
+                               0.7)
+    r = [(c.detach() - rl).exp() for c, rl in zip(current, batch["rollout_log_probs"])]
+    k3 = sum(float(((ri - 1 - ri.log()) * m).sum()) for ri, m in zip(r, masks)) / tokens
+    assert logged["april/kl_rollout_train_k3"] == pytest.approx(k3, rel=1e-6) and k3 > 0
+    trained = torch.cat([(o - rl)[m.bool()] for o, rl, m in zip(batch["log_probs"], batch["rollout_log_probs"], masks)])
+    trained_tokens = sum(int(m.sum()) for m in masks)
+    for q in (0.05, 0.5, 0.95, 0.99):
+        expected = math.exp(float(torch.quantile(trained, q))) * trained_tokens / tokens
+        assert logged[f"april/is_weight_q{round(q * 100):02d}"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_tis_hook_reports_staleness_from_the_train_metadata_slime_passes():

@@ -5,6 +5,8 @@ forward, ``policy_loss``, slime's loss scaling and Megatron's division by the mi
 backward -> Megatron's ``finalize_model_grads_func`` -> ``optimizer.step()`` -> scheduler step.
 """
 
+import copy
+import json
 import math
 import sys
 import types
@@ -13,37 +15,28 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 
 from april_slime import loss as april_loss
 from april_slime import vcpo
 from april_slime.core.config import AprilConfigError
+from tests.support.training import tokenwise
+from tests.support.training.opob_reference import reference_gradient
 
 VOCAB, D, H = 11, 6, 8
 TEMPERATURE = 0.7
 
 
-class TokenwiseLM(nn.Module):
-    """Position-wise LM: samples packed into one stream cannot interact (as with slime's varlen
-    attention), and every parameter sits in a layer with a per-sample gradient rule."""
+class TokenwiseLM(tokenwise.TokenwiseLM):
+    """The position-wise model with the Megatron config slime's train() hands finalize_model_grads to."""
 
     def __init__(self, seed):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed = nn.Embedding(VOCAB, D)
-        self.norm = nn.LayerNorm(D)
-        self.up = nn.Linear(D, H)
-        self.head = nn.Linear(H, VOCAB, bias=False)
-        self.double()
+        super().__init__(seed, VOCAB, D, H)
         self.finalize_calls = 0
         # Megatron's TransformerConfig; slime's train() installs finalize_model_grads every rollout
         self.config = SimpleNamespace(finalize_model_grads_func=self._megatron_finalize)
 
     def _megatron_finalize(self, model_chunks, num_tokens=None):
         self.finalize_calls += 1
-
-    def forward(self, tokens):  # [1, T] -> [1, T, V]
-        return self.head(torch.tanh(self.up(self.norm(self.embed(tokens)))))
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -83,6 +76,9 @@ def megatron(monkeypatch):
     mpu.get_tensor_model_parallel_rank = lambda: 0
     mpu.get_tensor_model_parallel_world_size = lambda: 1
     mpu.get_tensor_model_parallel_group = lambda: None
+    mpu.get_data_parallel_rank = lambda: 0
+    mpu.get_data_parallel_world_size = lambda: 1
+    mpu.get_data_parallel_group = lambda: None
     utils = types.ModuleType("megatron.core.utils")
     utils.get_model_config = lambda model: model.config
     core = types.ModuleType("megatron.core")
@@ -92,9 +88,6 @@ def megatron(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     vcpo.reset_runtime()
     yield
-    rt = vcpo.runtime()
-    if rt is not None and rt.grad_norms is not None:
-        rt.grad_norms.remove()
     vcpo.reset_runtime()
 
 
@@ -191,7 +184,8 @@ def ess_ratio(log_weights):
 def test_lr_of_each_step_is_scaled_by_the_ess_of_that_steps_batch_and_restored(megatron):
     """Two optimizer steps of one rollout (log-probs recomputed once, before the first): the ESS of
     step 2 is over the policy of step 2, not the recomputed one."""
-    args = make_args(april_is_mode="decoupled", april_is_level="token", april_vcpo_lr_scaling=True)
+    args = make_args(april_is_mode="decoupled", april_is_level="token", april_vcpo_lr_scaling=True,
+                     april_vcpo_rho_on_estimate=True)
     model = TokenwiseLM(seed=0)
     optimizer = RecordingSGD(model.parameters(), lr=0.0)
     scheduler = Schedule(optimizer)
@@ -220,44 +214,99 @@ def test_lr_of_each_step_is_scaled_by_the_ess_of_that_steps_batch_and_restored(m
     assert vcpo.runtime().metrics()["vcpo/lr_scale"] == pytest.approx(factor, rel=1e-9)
 
 
-def test_baseline_gradient_equals_the_directly_baselined_loss(megatron):
-    """grad at optimizer.step == grad of (1/N) sum_i wbar_i (R_i - b) (-log pi(y_i|x_i)), with
-    b = sum wbar^2 R |g|^2 / sum wbar^2 |g|^2 from per-sample gradients taken one by one."""
-    args = make_args(april_vcpo_baseline=True, april_vcpo_lr_scaling=True, april_vcpo_rho_on=1.0)
+def test_rho_on_is_fixed_by_default_and_an_estimate_survives_a_restart(megatron, tmp_path):
+    """The released runs fix rho_on (1.0 here: the first step is scaled by sqrt(ESS_ratio)); the
+    estimate, when asked for, is written to --save after its step and read from --load by a
+    restarted job, whose first step is then scaled against it instead of defining a new one."""
+    model = TokenwiseLM(seed=0)
+    g = torch.Generator().manual_seed(1)
+    first = [make_microbatch(model, g, [5, 3, 6], spread=0.3)]
+    later = [make_microbatch(model, g, [6, 4, 5], spread=0.9)]
+    ratio_first = ess_ratio([lw for lw, _ in sequence_log_weights(model, first)])
+    ratio_later = ess_ratio([lw for lw, _ in sequence_log_weights(model, later)])
+    if ratio_later > ratio_first:  # the restarted step must see the lower ESS (a factor below the cap of 1)
+        first, later, ratio_first, ratio_later = later, first, ratio_later, ratio_first
+    assert ratio_later < ratio_first - 0.01 and ratio_first < 0.999
+
+    def run(args, microbatches):
+        fresh = copy.deepcopy(model)
+        optimizer = RecordingSGD(fresh.parameters(), lr=0.0)
+        scheduler = Schedule(optimizer)
+        lr = scheduler.lr()
+        slime_train_one_step(args, fresh, optimizer, scheduler, microbatches, step_id=0)
+        return optimizer.used_lr[-1] / lr
+
+    assert run(make_args(april_vcpo_lr_scaling=True), first) == pytest.approx(math.sqrt(ratio_first), rel=1e-9)
+    vcpo.reset_runtime()
+    estimate = dict(april_vcpo_lr_scaling=True, april_vcpo_rho_on_estimate=True, save=str(tmp_path),
+                    load=str(tmp_path))
+    assert run(make_args(**estimate), first) == pytest.approx(1.0, rel=1e-12)  # the estimate's own step
+    saved = json.loads((tmp_path / vcpo.STATE_FILE).read_text())
+    assert saved == {"rho_on": pytest.approx(ratio_first, rel=1e-12)}
+    vcpo.reset_runtime()  # a restarted job
+    assert run(make_args(**estimate), later) == pytest.approx(math.sqrt(ratio_later / ratio_first), rel=1e-9)
+    assert vcpo.runtime().lr_scaler.rho_on == pytest.approx(ratio_first, rel=1e-12)
+    (tmp_path / vcpo.STATE_FILE).write_text(json.dumps({"rho_on": 3.0}))
+    vcpo.reset_runtime()
+    with pytest.raises(AprilConfigError, match="no valid rho_on"):
+        run(make_args(**estimate), later)
+    with pytest.raises(AprilConfigError, match="april_vcpo_rho_on: set either"):
+        april_loss.config_for(make_args(april_vcpo_rho_on=0.55, april_vcpo_rho_on_estimate=True))
+
+
+def with_groups(microbatches, group_of_microbatch):
+    """Each micro-batch one prompt group, as vcpo.opob_advantages writes it into the metadata."""
+    for mb, gid in zip(microbatches, group_of_microbatch):
+        r = mb["rewards"]
+        std = float(r.std(unbiased=False))
+        mb["metadata"] = [{"april_opob_group": {"group": gid, "size": len(r), "reward_std": std}} for _ in r]
+    return microbatches
+
+
+@pytest.mark.parametrize("scope, length_norm, weights", [("group", True, "released"), ("global", False, "paper"),
+                                                         ("group", False, "paper"), ("global", True, "released")])
+def test_baseline_gradient_equals_the_directly_baselined_loss(megatron, scope, length_norm, weights):
+    """grad at optimizer.step == (1/N) sum_i a_i wbar_i lambda_i grad(-log pi(y_i|x_i)), the float64
+    reference of tests/support/training/opob_reference.py from per-sample gradients taken one by one."""
+    args = make_args(april_vcpo_baseline=True, april_vcpo_lr_scaling=True, april_vcpo_rho_on=1.0,
+                     april_vcpo_baseline_scope=scope, april_vcpo_length_norm=length_norm,
+                     april_vcpo_baseline_weights=weights)
     model = TokenwiseLM(seed=3)
     optimizer = RecordingSGD(model.parameters(), lr=0.0)
     scheduler = Schedule(optimizer)
     g = torch.Generator().manual_seed(9)
-    step = [make_microbatch(model, g, [5, 3, 6], spread=0.5), make_microbatch(model, g, [4, 6], spread=0.5)]
+    step = with_groups([make_microbatch(model, g, [5, 3, 6], spread=0.5),
+                        make_microbatch(model, g, [4, 6], spread=0.5)], [0, 1])
 
     params = list(model.parameters())
-    weights, rewards, grads = [], [], []
-    for mb in step:
+    log_w, rewards, scores, tokens, groups = [], [], [], [], []
+    for gid, mb in enumerate(step):
         for i, (tok, r) in enumerate(zip(mb["unconcat_tokens"], mb["response_lengths"])):
             lp = sample_log_probs(model, tok, r)
             m = mb["loss_masks"][i].double()
-            log_w = float(((lp.detach() - mb["rollout_log_probs"][i]) * m).sum())
-            weights.append(min(math.exp(log_w), 1.5))
+            log_w.append(float(((lp.detach() - mb["rollout_log_probs"][i]) * m).sum()))
             rewards.append(float(mb["rewards"][i]))
-            grads.append(torch.autograd.grad(-(lp * m).sum(), params))
-    n = len(weights)
-    assert any(w == 1.5 for w in weights) and any(w < 1.5 for w in weights)  # truncation is exercised
-    sq = [sum(float(x.pow(2).sum()) for x in gi) for gi in grads]
-    b = (sum(w * w * R * s for w, R, s in zip(weights, rewards, sq))
-         / sum(w * w * s for w, s in zip(weights, sq)))
-    expected = [sum(w * (R - b) * gi[k] for w, R, gi in zip(weights, rewards, grads)) / n
-                for k in range(len(params))]
-    ratio = ess_ratio([lw for lw, _ in sequence_log_weights(model, step)])
+            scores.append(torch.autograd.grad(-(lp * m).sum(), params))
+            tokens.append(int(m.sum()))
+            groups.append(gid)
+    assert any(math.exp(x) > 1.5 for x in log_w) and any(math.exp(x) < 1.5 for x in log_w)  # TIS exercised
+    expected, baselines = reference_gradient(scores, log_w, tokens, rewards, groups, scope=scope, norm_by_std=True,
+                                             length_norm=length_norm, weights=weights, high=1.5,
+                                             scale=1.0 / len(rewards))
+    ratio = ess_ratio(log_w)
     lr = scheduler.lr()
 
     slime_train_one_step(args, model, optimizer, scheduler, step, step_id=0)
     rt = vcpo.runtime()
-    assert rt.last_baseline == pytest.approx(b, rel=1e-10)
-    assert 0.0 < b < 1.0 and model.finalize_calls == 1
+    mean_b = sum(baselines.values()) / len(baselines)
+    assert rt.last_baseline == pytest.approx(mean_b, rel=1e-10)
+    assert model.finalize_calls == 1
     for got, want in zip(optimizer.used_grads[-1], expected):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
     assert optimizer.used_lr[-1] == pytest.approx(lr * math.sqrt(ratio / 1.0), rel=1e-9)
-    assert rt.grad_norms.microbatches == 0  # the next step starts clean
+    assert rt.opob.microbatches == 0  # the next step starts clean
+    assert rt.last_log["vcpo/baseline"] == pytest.approx(mean_b, rel=1e-10)
+    assert 0.0 < rt.last_log["vcpo/opob_time_frac"] < 1.0
 
 
 def test_vcpo_settings_the_loss_cannot_serve_are_refused(megatron):
@@ -286,7 +335,7 @@ def test_vcpo_settings_the_loss_cannot_serve_are_refused(megatron):
                        pg_loss=torch.zeros(7, dtype=torch.float64), train_log_probs=mb["log_probs"],
                        rollout_log_probs=mb["rollout_log_probs"], loss_masks=mb["loss_masks"])
 
-    args = make_args(april_vcpo_baseline=True)
+    args = make_args(april_vcpo_baseline=True, april_vcpo_baseline_scope="global")
     vcpo.before_train_step(args, 0, 0, [model], optimizer, None)
     mb["advantages"][1] = torch.linspace(0.0, 1.0, 4, dtype=torch.float64)  # per-token advantages
     with pytest.raises(ValueError, match="sample 1: april_vcpo_baseline needs one reward per sample"):

@@ -152,6 +152,30 @@ def test_samples_have_the_shape_slime_trains_on(cluster, tmp_path, prompts, poli
     assert any(k.startswith("april/") for k in output.metrics)
 
 
+def test_a_step_whose_engines_all_fail_to_report_their_version_raises_an_engine_error(cluster, tmp_path, prompts,
+                                                                                      monkeypatch):
+    """No engine answers the weight-version query: the step stops with the engines' own error (a
+    retryable EngineError, not an internal one), and the next step, with the engines back, trains
+    every prompt once."""
+    from april_slime.core.engine import EngineClient
+    from april_slime.core.sglang_protocol import EngineError
+
+    args = point_at(make_args(tmp_path, prompts, april_policy="copris"), cluster)
+    source = rollout.AprilDataSource(args)
+    first = rollout.generate_rollout(args, 0, source)
+
+    async def down(self, url):
+        raise EngineError(f"engine {url} is down")
+
+    with monkeypatch.context() as m:
+        m.setattr(EngineClient, "weight_version", down)
+        with pytest.raises(EngineError, match="is down"):
+            rollout.generate_rollout(args, 1, source)
+    second = rollout.generate_rollout(args, 1, source)
+    trained = [g[0].group_index for out in (first, second) for g in out.samples]
+    assert len(trained) == len(set(trained)) == 2 * args.rollout_batch_size
+
+
 def test_group_reward_goes_through_batched_rm(cluster, tmp_path, prompts):
     args = point_at(make_args(tmp_path, prompts, group_rm=True,
                               custom_rm_path=f"{__name__}.group_parity_reward"), cluster)

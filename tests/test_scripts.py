@@ -27,10 +27,11 @@ CHECK_SH = REPO / "patches" / "check.sh"
 CHECK_ENV = REPO / "scripts" / "check_env.py"
 BUILD_MI300 = REPO / "scripts" / "rocm" / "build-mi300.sh"
 LAUNCHERS = REPO / "examples" / "qwen3-4B-dapo-math"
-# files the slime patch touches, relative to slime's root
+# files the slime patches touch, relative to slime's root
 PATCHED_FILES = sorted(
     line.split(" b/", 1)[1].strip()
-    for line in PATCH.read_text().splitlines()
+    for patch in sorted(PATCH.parent.glob("slime-*.patch"))
+    for line in patch.read_text().splitlines()
     if line.startswith("diff --git ")
 )
 

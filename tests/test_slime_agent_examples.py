@@ -28,18 +28,14 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import socket
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
 from april_slime import rollout
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
-from tests.support import ROOT
+from tests.support.slime_examples import EXAMPLE_MODULES, TARBALL, RetrievalStub, extract_examples, mask_runs
 from tests.support.slime_jobs import Cluster, loop_run, make_args, point_at
 from tests.support.slime_standin import real_slime_importable
 
@@ -47,14 +43,10 @@ pytestmark = pytest.mark.skipif(not real_slime_importable(),
                                 reason="slime's example functions import the real slime "
                                        "(slime.rollout.sglang_rollout.GenerateState, slime.utils.http_utils.post)")
 
-TARBALL = Path(os.environ.get("APRIL_SLIME_EXAMPLES_TARBALL", ROOT.parent / "shared" / "third_party" / "slime-examples"
-                              / "slime-624b824a8-examples.tar.gz"))
-EXAMPLE_MODULES = ("generate_with_search", "qa_em_format", "local_search_server", "google_search_server",
-                   "generate_with_retool", "tool_sandbox")
 MAX_RESPONSE_LEN = 24  # per model call: the functions pass rollout_max_response_len on as max_new_tokens
 RETOOL_MAX_TURNS = 3
 DECODED_CHARS = set("0123456789 ")  # what the toy tokenizer decodes any token ids to
-STEPS, MAX_STEPS = 3, 6  # steps run; more (bounded) only if no call was aborted and resumed in the first ones
+STEPS, MAX_STEPS = 3, 12  # steps run; more (bounded) only if no call was aborted and resumed in the first ones
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +54,7 @@ def examples(tmp_path_factory) -> Path:
     """slime's ``examples/`` folder (search-r1 and retool), extracted unedited from the tarball."""
     if not TARBALL.is_file():
         pytest.skip(f"slime's examples tarball is not at {TARBALL} (set APRIL_SLIME_EXAMPLES_TARBALL)")
-    root = tmp_path_factory.mktemp("slime-examples")
-    wanted = ("/examples/search-r1/", "/examples/retool/")
-    with tarfile.open(TARBALL) as tar:
-        tar.extractall(root, members=[m for m in tar.getmembers() if any(w in f"/{m.name}" for w in wanted)],
-                       filter="data")
-    (folder,) = root.glob("*/examples")
-    return folder
+    return extract_examples(tmp_path_factory.mktemp("slime-examples"))
 
 
 @pytest.fixture
@@ -153,45 +139,13 @@ def agent_cluster(slime_mode, monkeypatch):
     c.stop()
 
 
-class RetrievalStub:
-    """A local retrieval server (``/retrieve``), answering as Search-R1's ``retrieval_server.py`` does
-    with ``return_scores`` false: ``{"result": [[{"id", "contents"}, ...] per query]}``."""
-
-    def __init__(self) -> None:
-        self.queries: list[str] = []
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def _retrieve(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.queries += body["queries"]
-        docs = [[{"id": str(k), "contents": f'"Doc {k}"\ntext about {q}'} for k in range(body["topk"])]
-                for q in body["queries"]]
-        return web.json_response({"result": docs})
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/retrieve", self._retrieve)
-        self.runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=0.5)
-        await self.runner.setup()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}/retrieve"
-        await web.SockSite(self.runner, sock).start()
-
-    async def close(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-
-
 @pytest.fixture
-def retrieval(slime_mode):
-    """The stub retrieval server, on slime's loop, for search-r1's ``search_url`` (not its default
-    port 8000): a search action, were one decoded, would get passages as from the real server."""
+def retrieval():
+    """The stub retrieval server for search-r1's ``search_url`` (not its default port 8000): a search
+    action, were one decoded, would get passages as from the real server."""
     stub = RetrievalStub()
-    loop_run(stub.start())
     yield stub
-    loop_run(stub.close())
+    stub.close()
 
 
 def write_prompts(tmp_path: Path, label) -> Path:
@@ -215,17 +169,6 @@ def job_args(tmp_path, prompts, cluster, policy: str, **settings):
 
 def expand(runs) -> list[int]:
     return [v for v, c in runs for _ in range(c)]
-
-
-def mask_runs(mask: list[int]) -> list[tuple[int, int, int]]:
-    """(value, start, end) of every maximal run of equal loss-mask values."""
-    runs: list[tuple[int, int, int]] = []
-    for k, m in enumerate(mask):
-        if runs and runs[-1][0] == m:
-            runs[-1] = (m, runs[-1][1], k + 1)
-        else:
-            runs.append((m, k, k + 1))
-    return runs
 
 
 def check_sample(s, observations: list[list[int]], max_turns: int) -> int:

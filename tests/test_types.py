@@ -66,3 +66,20 @@ def test_rejected_calls_survive_a_round_trip():
     old = t.to_dict()
     del old["rejected_calls"]  # saved before the field existed
     assert Trajectory.from_dict(old).rejected_calls == 0
+
+
+def test_an_episodes_samples_survive_a_round_trip_and_a_reset():
+    t = make_trajectory()
+    t.append([1, 2], [-0.5, -0.25], version=1)
+    t.status, t.reward = TrajectoryStatus.COMPLETED, [1.0, 0.0]
+    t.episode_samples = [{"sample": {"tokens": [5, 1]}, "version_runs": [[1, 1]], "call_versions": [1],
+                          "num_calls": 1, "num_aborts": 0},
+                         {"sample": {"tokens": [5, 1, 9, 2]}, "version_runs": [[1, 1]], "call_versions": [1],
+                          "num_calls": 1, "num_aborts": 0}]
+    again = Trajectory.from_dict(t.to_dict())
+    assert again == t
+    old = t.to_dict()
+    del old["episode_samples"]  # saved before the field existed
+    assert Trajectory.from_dict(old).episode_samples is None
+    again.reset()
+    assert again.episode_samples is None and again.reward is None

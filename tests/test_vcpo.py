@@ -10,7 +10,7 @@ from torch.func import functional_call, grad, vmap
 
 from april_slime import vcpo
 from april_slime.core.config import AprilConfigError
-from april_slime.training.baseline import finish_opob_step, opob_policy_loss
+from april_slime.training.baseline import OpobAccumulator, OpobOptions, opob_policy_loss
 from april_slime.training.ess import EssLrScaler
 from april_slime.training.grad_norms import PerSampleGradNorms
 from april_slime.training.offpolicy import EssStats, Packing
@@ -169,8 +169,9 @@ def test_per_sample_norms_packed_varlen_match_per_sample_grad():
 
 
 def test_baseline_and_linearity_match_direct_baselined_loss():
-    """grad after finish_opob_step == grad of sum_i w_i (R_i - b)(-log pi_i) with b from
-    reference (vmap) per-sample gradients, b = sum w^2 R |g|^2 / sum w^2 |g|^2."""
+    """grad after the accumulator's finish == grad of sum_i w_i (R_i - b)(-log pi_i) with b from
+    reference (vmap) per-sample gradients, b = sum w^2 R |g|^2 / sum w^2 |g|^2 (global scope, the
+    paper's weights, summed trajectory loss), on a transformer with attention."""
     model = make_model(2)
     lengths = [8, 5, 9, 3, 6]
     tokens, segments, resp = padded_batch(lengths, seed=4)
@@ -192,34 +193,41 @@ def test_baseline_and_linearity_match_direct_baselined_loss():
 
     model.zero_grad()
     tracker = PerSampleGradNorms(model, weighted=True)
-    # two micro-batches, as slime's gradient accumulation runs them
-    for rows in ([0, 1, 2], [3, 4]):
+    options = OpobOptions(scope="global", weights="paper", length_norm=False, high=2.0)
+    acc = OpobAccumulator(tracker, list(model.parameters()), options)
+    acc.begin_step()
+    # two micro-batches, as slime's gradient accumulation runs them, and one sample alone
+    for rows in ([0, 1], [2], [3, 4]):
         tok, m = tokens[rows], resp[rows]
         seg = Packing.from_lengths([lengths[r] for r in rows]).padded_segment_ids(tokens.shape[1])
         lp = token_logprobs(model(tok, seg), tok)
         out = opob_policy_loss(list(lp), list(rollout_lp[rows]), list(m), rewards[rows], seg,
-                               grad_norms=tracker, correction="truncate", high=2.0)
+                               accumulator=acc, options=options)
         torch.testing.assert_close(out.is_weights, w[rows])
         out.loss.backward()
-    b = finish_opob_step(tracker, model.parameters())
+    b = acc.finish()
     assert b == pytest.approx(b_ref, rel=1e-10)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[n], rtol=1e-9, atol=1e-12, msg=n)
-    assert tracker.microbatches == 0 and tracker.weighted_grads == {}
+    assert acc.microbatches == 0 and tracker.weighted_grads == {}
 
 
 def test_finish_uses_megatron_main_grad_when_present():
     lin = nn.Linear(3, 2, bias=False).double()
     x = torch.randn(1, 4, 3, dtype=torch.float64)
-    seg = torch.tensor([[0, 0, 1, 1]])
+    seg = torch.tensor([0, 0, 1, 1])
     g0_grad = torch.autograd.grad(lin(x[:, :2]).sum(), lin.weight)[0]
     g1_grad = torch.autograd.grad(lin(x[:, 2:]).sum(), lin.weight)[0]
     tracker = PerSampleGradNorms(lin, weighted=True)
-    tracker.set_microbatch(seg, 2, torch.tensor([2.0, -1.0], dtype=torch.float64))
+    acc = OpobAccumulator(tracker, [lin.weight], OpobOptions(scope="global", weights="paper", length_norm=False))
+    acc.begin_step()
+    lin.weight.main_grad = torch.zeros_like(lin.weight)  # Megatron accumulates here
+    acc.add_microbatch(seg, torch.tensor([2.0, -1.0], dtype=torch.float64), torch.zeros(2, dtype=torch.float64),
+                       torch.ones(2, dtype=torch.float64), None)
     lin(x).sum().backward()
-    lin.weight.main_grad = lin.weight.grad.clone()  # Megatron accumulates here
+    lin.weight.main_grad += lin.weight.grad
     p_grad = lin.weight.grad.clone()
-    b = finish_opob_step(tracker, [lin.weight])
+    b = acc.finish()
     n0, n1 = g0_grad.pow(2).sum(), g1_grad.pow(2).sum()
     assert b == pytest.approx(float((2 * n0 - n1) / (n0 + n1)))
     torch.testing.assert_close(lin.weight.main_grad, 2 * g0_grad - g1_grad - b * p_grad)
@@ -339,7 +347,7 @@ def slime_train_one_step(hook, optimizer, scheduler, log_ratios_per_microbatch, 
 def test_lr_scaling_applies_to_exactly_one_step_and_restores():
     vcpo.reset_runtime()
     args = SimpleNamespace(april_vcpo_lr_scaling=True, april_vcpo_lr_scale_min=0.0,
-                           april_vcpo_lr_scale_max=1.0)
+                           april_vcpo_lr_scale_max=1.0, april_vcpo_rho_on_estimate=True)
     opt = FakeMegatronOptimizer()
     sched = FakeScheduler(opt)
 
@@ -407,13 +415,25 @@ def test_lr_scale_clamps_and_given_rho_on():
         EssLrScaler(rho_on=0.0)
 
 
-def test_opob_advantages_broadcast_raw_rewards():
-    data = {"rewards": [1.0, 0.0], "kl": [torch.zeros(3), torch.zeros(2)]}
-    opob_advantages(None, data)
-    assert [a.tolist() for a in data["advantages"]] == [[1.0] * 3, [0.0] * 2]
+def test_opob_advantages_broadcast_raw_rewards_and_write_the_groups():
+    """slime's group-normalised rewards are not what the baseline takes: the raw ones are, from
+    the whole rollout's list and this rank's partition; each sample's group gets its std."""
+    args = SimpleNamespace(n_samples_per_prompt=2)
+    data = {"rewards": [0.7, -0.7, 0.0, 0.0], "raw_reward": [1.0, 0.0, 0.5, 0.5], "partition": [1, 2],
+            "kl": [torch.zeros(3), torch.zeros(2)], "metadata": [{"april_policy_version": 3}, None]}
+    opob_advantages(args, data)
+    assert [a.tolist() for a in data["advantages"]] == [[0.0] * 3, [0.5] * 2]
     assert data["returns"][0] is not data["advantages"][0]
-    with pytest.raises(ValueError):
-        opob_advantages(None, {"rewards": [float("nan")], "kl": [torch.zeros(1)]})
+    assert data["metadata"][0] == {"april_policy_version": 3,
+                                   "april_opob_group": {"group": 0, "size": 2, "reward_std": 0.5}}
+    assert data["metadata"][1] == {"april_opob_group": {"group": 1, "size": 2, "reward_std": 0.0}}
+    data = {"raw_reward": [1.0, 0.0], "partition": [0, 1], "kl": [torch.zeros(1), torch.zeros(1)]}
+    opob_advantages(args, data)  # no metadata from the rollout: written anyway
+    assert [m["april_opob_group"]["group"] for m in data["metadata"]] == [0, 0]
+    with pytest.raises(ValueError, match="non-finite"):
+        opob_advantages(args, {"raw_reward": [float("nan")], "partition": [0], "kl": [torch.zeros(1)]})
+    with pytest.raises(ValueError, match="raw rewards"):
+        opob_advantages(args, {"rewards": [1.0], "kl": [torch.zeros(1)]})
 
 
 def test_before_train_step_refuses_unsupported_parallelism():
@@ -434,11 +454,12 @@ def test_gpu_bench_script_runs_tiny_on_cpu(tmp_path):
     script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_vcpo_bench.py"
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(script), "--tiny", "--device", "cpu", "--steps", "1",
-                           "--warmup", "0", "--out", str(out)], capture_output=True, text=True, timeout=60)
+                           "--warmup", "0", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
-    assert [r["variant"] for r in result["rows"]] == ["plain", "norms", "opob"]
+    assert [r["variant"] for r in result["rows"]] == ["plain", "plain_single", "opob_single", "opob_packed"]
     assert all(r["step_s_median"] > 0 for r in result["rows"])
+    assert result["commit"] and "per-sample (varlen)" in result["baseline"]
 
 
 # ------------------------------------------------------------- Transformer Engine's fused layers
@@ -523,21 +544,68 @@ def test_fused_layernorm_linear_and_per_head_norm_match_per_sample_grad(normaliz
     tracker.remove()
 
 
-@pytest.mark.parametrize("mode", ["april", "copris"])
-def test_launcher_vcpo_configuration_runs_the_baseline(mode):
-    # what examples/qwen3-4B-dapo-math/common.sh passes with VCPO_HOOK=1: the <mode>-vcpo.yaml
-    # keys on args, custom loss, no KL loss, tensor parallelism 2 with sequence parallelism
+def launcher_arguments(tmp_path, **env) -> list[str]:
+    """The slime arguments examples/qwen3-4B-dapo-math/common.sh builds (a stand-in slime checkout
+    provides the model script it sources)."""
+    import os
     import pathlib
+    import subprocess
 
+    models = tmp_path / "scripts" / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    (models / "qwen3-4B.sh").write_text("MODEL_ARGS=()\n")
+    common = pathlib.Path(__file__).parents[1] / "examples" / "qwen3-4B-dapo-math" / "common.sh"
+    out = subprocess.run(["bash", "-c", f'source "{common}" && printf "%s\\n" "${{PERF_ARGS[@]}}" '
+                          '"${APRIL_ARGS[@]}" "${GRPO_ARGS[@]}" "${ROLLOUT_ARGS[@]}"'],
+                         env={**os.environ, "SLIME_DIR": str(tmp_path), **env}, capture_output=True, text=True,
+                         check=True)
+    return out.stdout.split("\n")
+
+
+def flag_values(argv: list[str]) -> dict:
+    out, i = {}, 0
+    while i < len(argv):
+        if argv[i].startswith("--"):
+            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            out[argv[i][2:].replace("-", "_")] = argv[i + 1] if has_value else True
+            i += 2 if has_value else 1
+        else:
+            i += 1
+    return out
+
+
+@pytest.mark.parametrize("mode", ["april", "copris"])
+def test_launcher_vcpo_configuration_runs_the_baseline(mode, tmp_path):
+    """What examples/qwen3-4B-dapo-math/common.sh passes with VCPO_HOOK=1 (the <mode>-vcpo.yaml keys on
+    args, custom loss, no KL loss, TP 2 with sequence parallelism, static micro-batches of one prompt
+    group on 4 data-parallel ranks) is what VCPO's group baseline accepts; the launcher without its
+    VCPO batching would be refused, naming the flag."""
     import yaml
 
-    path = pathlib.Path(__file__).parents[1] / "examples" / "qwen3-4B-dapo-math" / "configs" / f"{mode}-vcpo.yaml"
-    args = SimpleNamespace(**yaml.safe_load(path.read_text()), loss_type="custom_loss", use_kl_loss=False,
-                           entropy_coef=0.0, advantage_estimator="grpo", sequence_parallel=True,
-                           tensor_model_parallel_size=2, pipeline_model_parallel_size=1, context_parallel_size=1,
-                           use_rollout_logprobs=True)
+    argv = launcher_arguments(tmp_path, MODE=mode, VCPO_HOOK="1")
+    flags = flag_values(argv)
+    assert "use_dynamic_batch_size" not in flags and flags["micro_batch_size"] == "8"
+    assert "use_kl_loss" not in flags and flags["custom_config_path"].endswith(f"{mode}-vcpo.yaml")
+    args = SimpleNamespace(**yaml.safe_load(open(flags["custom_config_path"]).read()),
+                           loss_type=flags["loss_type"], use_kl_loss=False, entropy_coef=0.0,
+                           advantage_estimator=flags["advantage_estimator"], sequence_parallel=True,
+                           tensor_model_parallel_size=int(flags["tensor_model_parallel_size"]),
+                           pipeline_model_parallel_size=1, context_parallel_size=1, use_rollout_logprobs=True,
+                           micro_batch_size=int(flags["micro_batch_size"]), use_dynamic_batch_size=False,
+                           n_samples_per_prompt=int(flags["n_samples_per_prompt"]),
+                           global_batch_size=int(flags["global_batch_size"]))
     from april_slime.core.config import AprilConfig
 
     config = AprilConfig.from_args(args)
-    assert config.vcpo_baseline and config.vcpo_lr_scaling
-    vcpo.check_settings(args, config)  # nothing refused
+    assert config.vcpo_baseline and config.vcpo_lr_scaling and config.vcpo_baseline_scope == "group"
+    assert config.is_high == 8.0 and config.vcpo_rho_on == 1.0
+    vcpo.check_settings(args, config, dp_size=4)  # nothing refused
+    args.use_dynamic_batch_size = True
+    with pytest.raises(AprilConfigError, match="group with --use-dynamic-batch-size"):
+        vcpo.check_settings(args, config, dp_size=4)
+    args.use_dynamic_batch_size, args.micro_batch_size = False, 4
+    with pytest.raises(AprilConfigError, match="--micro-batch-size 4 .* equal to --n-samples-per-prompt 8"):
+        vcpo.check_settings(args, config, dp_size=4)
+    vcpo.check_settings(args, config, dp_size=1)  # a divisor is enough on one rank
+    plain = flag_values(launcher_arguments(tmp_path, MODE=mode))
+    assert plain["use_dynamic_batch_size"] is True and "micro_batch_size" not in plain

@@ -1,5 +1,6 @@
-"""VCPO cross-rank reductions on two gloo processes: DP sums of the OPOB sums and of the ESS
-statistics, TP sums of partial per-sample norms of a manually sharded model."""
+"""VCPO cross-rank reductions on two gloo processes: the global OPOB baseline over data-parallel
+ranks, the ESS statistics, TP sums of partial per-sample norms of a manually sharded model (from
+the layer hooks and from the gradient buffer of a one-sample micro-batch)."""
 
 import socket
 
@@ -8,11 +9,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from april_slime.training.baseline import opob_baseline
+from april_slime.training.baseline import OpobAccumulator, OpobOptions
 from april_slime.training.grad_norms import PerSampleGradNorms, reduce_per_sample_sq_norms
 from april_slime.training.offpolicy import EssStats, Packing
 
 D, H = 6, 8
+PAPER = OpobOptions(scope="global", weights="paper", length_norm=False)
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -112,15 +114,50 @@ def _worker(rank, world, port, results):
         total = reduce_per_sample_sq_norms(partial.clone())
         torch.testing.assert_close(total, ref, rtol=1e-10, atol=0)
 
-        # --- data parallel: each rank holds different samples; the OPOB sums add up
-        rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.25, 0.0], dtype=torch.float64)
-        weights = torch.tensor([1.2, 0.4, 2.0, 0.9, 1.0, 0.1], dtype=torch.float64)
-        sq = torch.tensor([3.0, 1.0, 0.5, 2.0, 4.0, 7.0], dtype=torch.float64)
-        mine = slice(rank * 3, rank * 3 + 3)
-        n_i = weights[mine] ** 2 * sq[mine]
-        b, num, den = opob_baseline((rewards[mine] * n_i).sum(), n_i.sum())
-        b_ref = float((weights ** 2 * rewards * sq).sum() / (weights ** 2 * sq).sum())
+        # --- one-sample micro-batches: the norm read off the gradient buffer sums over the TP shards
+        # (global scope, the paper's weights: b = sum R n / sum n over the two samples)
+        group = dist.group.WORLD
+        acc = OpobAccumulator(PerSampleGradNorms(sharded, weighted=True, tp_rank=rank, tp_size=world, tp_group=group),
+                              list(sharded.parameters()), PAPER)
+        acc.begin_step()
+        sharded.zero_grad(set_to_none=True)  # as slime's train_one_step starts a step
+        for i, r in ((0, 1.0), (2, 0.25)):
+            acc.add_microbatch(torch.zeros(5, dtype=torch.long), torch.tensor([r], dtype=torch.float64),
+                               torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64), None)
+            sharded(x[i:i + 1, :lengths[i]]).pow(2).sum().backward()
+        b = acc.finish()
+        b_ref = float((1.0 * ref[0] + 0.25 * ref[2]) / (ref[0] + ref[2]))
         assert abs(b - b_ref) < 1e-12, (b, b_ref)
+        acc.grad_norms.remove()
+
+        # --- data parallel: each rank holds different samples; one baseline over both ranks, and the
+        # DP sum of the ranks' gradients is the single-process baselined gradient
+        rewards = torch.tensor([[1.0, 0.0, 0.5], [1.0, 0.25, 0.0]], dtype=torch.float64)
+        model = FullMLP().double()
+        model.load_state_dict(full.state_dict())
+        xs = [x, 0.5 * x.flip(0)]
+        acc = OpobAccumulator(PerSampleGradNorms(model, weighted=True), list(model.parameters()), PAPER,
+                              dp_group=group)
+        acc.begin_step()
+        acc.add_microbatch(seg.reshape(-1), rewards[rank], torch.zeros(3, dtype=torch.float64),
+                           torch.ones(3, dtype=torch.float64), None)
+        (model(xs[rank]).pow(2).sum(-1) * (seg >= 0)).sum().backward()  # padding carries no loss
+        b = acc.finish()
+        grads = [p.grad.clone() for p in model.parameters()]
+        for g in grads:
+            dist.all_reduce(g)
+        norms = torch.cat([_per_sample_norms(full, xs[k], seg, 3) for k in range(2)])
+        b_ref = float((rewards.reshape(-1) * norms).sum() / norms.sum())
+        assert abs(b - b_ref) < 1e-12, (b, b_ref)
+        expected = [torch.zeros_like(g) for g in grads]
+        for k in range(2):
+            for i in range(3):
+                full.zero_grad()
+                full(xs[k][i:i + 1, :lengths[i]]).pow(2).sum().backward()
+                for e, p in zip(expected, full.parameters()):
+                    e += (float(rewards[k, i]) - b_ref) * p.grad
+        for g, e in zip(grads, expected):
+            torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
 
         # --- ESS statistics merged across ranks (one rank empty, as a non-last pipeline stage)
         log_w = torch.tensor([0.3, -1.0, 700.0, 699.0], dtype=torch.float64)

@@ -29,12 +29,16 @@ from typing import Any
 from april_slime.core.keys import SETTING_PREFIX
 
 POLICIES = ("sync", "april", "copris")
+DISPATCH_MODES = ("auto", "direct", "router")  # april_slime.core.dispatch reads them
 STALE_ACTIONS = ("restart", "drop")
 RESUME_PRIORITIES = ("verl", "fifo", "stalest")
 IS_MODES = ("on_policy", "copris", "decoupled")
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_CORRECTIONS = ("none", "truncate", "mask")
 LOSS_LEVELS = ("token", "sequence")
+VCPO_BASELINE_SCOPES = ("group", "global")
+VCPO_BASELINE_WEIGHTS = ("released", "paper")
+PROX_LOG_PROBS = ("auto", "recompute", "loglinear")
 
 # Sane upper bounds of settings whose absurd values would otherwise pass (documented in the help).
 MAX_OVER_SAMPLING_FACTOR = 100.0
@@ -98,6 +102,13 @@ class AprilConfig:
         default=1, metadata={"help": "Lower bound for the adaptive concurrency controller."})
     max_concurrency: int | None = field(
         default=None, metadata={"help": "Upper bound for the adaptive controller (default 4 * N')."})
+    dispatch: str = field(
+        default="auto",
+        metadata={"help": "Where model calls go: direct (to the engine the plugin picks by load; aborts by "
+                          "rid), router (generate through slime's router, which places each call by its own "
+                          "policy; aborts fanned out to every engine), auto (router where the engines must be "
+                          "reached through it: PD disaggregation, a DP-aware router; else direct)."},
+    )
     request_timeout_s: float = field(
         default=3600.0, metadata={"help": "Timeout of one generate call, in seconds (finite)."})
     max_retries: int = field(
@@ -158,9 +169,15 @@ class AprilConfig:
         default=False,
         metadata={"help": "Scale the learning rate of each optimizer step by sqrt(ESS_ratio / rho_on)."},
     )
-    vcpo_rho_on: float | None = field(
-        default=None,
-        metadata={"help": "On-policy ESS ratio reference; default: taken from the first step."},
+    vcpo_rho_on: float = field(
+        default=1.0,
+        metadata={"help": "On-policy ESS ratio rho_on of the learning-rate rule. VCPO's released runs fix it: "
+                          "1.0 for single-turn math, 0.55 for multi-turn tool use."},
+    )
+    vcpo_rho_on_estimate: bool = field(
+        default=False,
+        metadata={"help": "Take rho_on from the ESS ratio of the first step instead (april_vcpo_rho_on is then "
+                          "not read); the estimate is saved with the job and restored on restart."},
     )
     vcpo_lr_scale_min: float = field(
         default=0.0, metadata={"help": "Floor of the ESS learning-rate factor."})
@@ -173,6 +190,32 @@ class AprilConfig:
         metadata={"help": "Replace the group-mean baseline by the off-policy optimal baseline "
                           "b = sum w^2 R ||g||^2 / sum w^2 ||g||^2 from exact per-trajectory "
                           "gradient norms."},
+    )
+    vcpo_baseline_scope: str = field(
+        default="group",
+        metadata={"help": "group: one baseline per prompt group (VCPO's released runs); global: one baseline per "
+                          "optimizer step over every data-parallel rank."},
+    )
+    vcpo_baseline_norm_by_std: bool = field(
+        default=True,
+        metadata={"help": "group scope: divide each group's baselined rewards by the std of its raw rewards."},
+    )
+    vcpo_baseline_weights: str = field(
+        default="released",
+        metadata={"help": "released: W_i = ||w_i g_i||^2 times the squared unclipped ratio (the released code); "
+                          "paper: W_i = ||w_i g_i||^2 (eq. 7)."},
+    )
+    vcpo_length_norm: bool = field(
+        default=True,
+        metadata={"help": "Divide each trajectory's loss by its loss-masked token count (the released runs' "
+                          "seq-mean-token-mean); false: the summed trajectory loss."},
+    )
+    prox_log_probs: str = field(
+        default="auto",
+        metadata={"help": "Where the proximal log-probs come from with the custom loss: auto (the training "
+                          "forward's own when the rollout has one optimizer step, slime's recompute otherwise), "
+                          "recompute (always slime's forward), loglinear (interpolate between the rollout and "
+                          "current log-probs by each token's policy version, no recompute)."},
     )
 
     # ------------------------------------------------------------------ building
@@ -217,10 +260,14 @@ class AprilConfig:
         _choice("policy", self.policy, POLICIES)
         _choice("stale_action", self.stale_action, STALE_ACTIONS)
         _choice("resume_priority", self.resume_priority, RESUME_PRIORITIES)
+        _choice("dispatch", self.dispatch, DISPATCH_MODES)
         _choice("is_mode", self.is_mode, IS_MODES)
         _choice("is_level", self.is_level, IS_LEVELS)
         _choice("is_correction", self.is_correction, IS_CORRECTIONS)
         _choice("loss_level", self.loss_level, LOSS_LEVELS)
+        _choice("vcpo_baseline_scope", self.vcpo_baseline_scope, VCPO_BASELINE_SCOPES)
+        _choice("vcpo_baseline_weights", self.vcpo_baseline_weights, VCPO_BASELINE_WEIGHTS)
+        _choice("prox_log_probs", self.prox_log_probs, PROX_LOG_PROBS)
         if self.concurrency is not None and self.concurrency < 1:
             _fail("concurrency", f"must be >= 1, got {self.concurrency}")
         if not (math.isfinite(self.over_sampling_factor) and self.over_sampling_factor >= 1.0):
@@ -257,8 +304,10 @@ class AprilConfig:
         if not (0.0 <= self.is_low < self.is_high) or not math.isfinite(self.is_high):
             _fail("is_high" if self.is_low >= 0 else "is_low",
                   f"need 0 <= is_low < is_high < inf, got is_low={self.is_low}, is_high={self.is_high}")
-        if self.vcpo_rho_on is not None and not (0.0 < self.vcpo_rho_on <= 1.0):
+        if not (0.0 < self.vcpo_rho_on <= 1.0):
             _fail("vcpo_rho_on", f"must be in (0, 1], got {self.vcpo_rho_on}")
+        if self.vcpo_rho_on_estimate and self.vcpo_rho_on != 1.0:
+            _fail("vcpo_rho_on", f"set either a fixed value ({self.vcpo_rho_on}) or vcpo_rho_on_estimate, not both")
         if not (0.0 <= self.vcpo_lr_scale_min <= self.vcpo_lr_scale_max):
             _fail("vcpo_lr_scale_min", f"need 0 <= vcpo_lr_scale_min <= vcpo_lr_scale_max, got "
                                        f"{self.vcpo_lr_scale_min} > {self.vcpo_lr_scale_max}")

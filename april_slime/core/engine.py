@@ -8,7 +8,9 @@ same ``request`` coroutine (``transport.py``). The client owns:
   ``/get_weight_version`` or ``/model_info``, the router's ``/workers``), each reply validated by
   ``sglang_protocol.py`` before it is returned, and every token id checked before it is sent,
 * retries with exponential backoff on failures that are safe to retry, and per-engine error
-  counters (``stats``) for metrics.
+  counters (``stats``) for metrics;
+* where each call goes, as its ``Dispatch`` (``dispatch.py``) says: straight to the engines, or
+  generates through the router with aborts fanned out to the engines behind it.
 
 It keeps no per-request state: which rid runs where, and which engine is healthy, is the
 scheduler's business.
@@ -32,6 +34,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable
 
+from april_slime.core.dispatch import DeploymentHints, Dispatch, choose, parse_workers, router_dropped_fields
 from april_slime.core.sglang_protocol import (
     EngineError,
     EngineLoad,
@@ -44,7 +47,6 @@ from april_slime.core.sglang_protocol import (
     parse_generate_reply,
     parse_load,
     parse_weight_version,
-    parse_worker_urls,
 )
 from april_slime.core.transport import HttpTransport, Transport, TransportHTTPError
 
@@ -142,20 +144,54 @@ async def _call_with_retries(
     )
 
 
+async def _discover(router_url: str, transport: Transport, dispatch: str, hints: DeploymentHints | None,
+                    kw: dict) -> Dispatch:
+    """The router's workers and the dispatch chosen for them; a URL without ``/workers`` that
+    answers as an SGLang engine is the job's only engine (see ``EngineClient.from_router``)."""
+    try:
+        reply = await _call_with_retries(
+            transport, router_url, "GET", "/workers", None,
+            timeout_s=min(kw.get("timeout_s", 3600.0), CONTROL_TIMEOUT_S), max_retries=kw.get("max_retries", 3),
+            retry_backoff_s=kw.get("retry_backoff_s", 1.0), stats=EngineStats(),
+        )
+    except RequestRejected as exc:
+        if exc.status != 404:
+            raise
+        probe = EngineClient([router_url], transport=transport, **kw)
+        try:
+            await probe.weight_version(router_url)
+        except EngineError as exc:
+            raise EngineError(
+                f"{router_url} is not a router: GET /workers answered HTTP 404, and it does not answer as "
+                f"an SGLang engine either ({exc}); a router URL is expected (sglang-router, slime's "
+                "--sglang-router-ip/--sglang-router-port)"
+            ) from exc
+        logger.warning(
+            "%s has no /workers (HTTP 404): a router URL is expected; it answers as an SGLang "
+            "engine, so it is used as the only rollout engine", router_url,
+        )
+        return Dispatch.direct([router_url], "a single engine, no router")
+    workers = parse_workers(reply, router_url)
+    if not workers:
+        raise EngineError(f"router {router_url} lists no engines")
+    return choose(dispatch, router_url, workers, hints)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
+async def _fan_out(calls: list[Awaitable[None]], what: str) -> None:
+    """Run ``calls`` (one per engine) at once; one success is enough, all failing raises the first
+    error (an abort through the router: a worker without the rid does nothing)."""
+    if len(calls) == 1:  # direct dispatch: the call itself, with no task around it
+        await calls[0]
+        return
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    for error in errors:
+        if not isinstance(error, Exception):
+            raise error
+    if errors and len(errors) == len(results):
+        raise errors[0]
+    for error in errors:
+        logger.warning("%s: one engine failed: %s", what, error)
 
 
 class EngineClient:
@@ -170,8 +206,13 @@ class EngineClient:
         max_retries: int = 3,
         retry_backoff_s: float = 1.0,
         vocab_size: int | None = None,
+        dispatch: Dispatch | None = None,
     ) -> None:
-        if not engine_urls:
+        if dispatch is None:
+            if not engine_urls:
+                raise EngineError("no engine urls given")
+            dispatch = Dispatch.direct(engine_urls)
+        if not dispatch.engines:
             raise EngineError("no engine urls given")
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
                                        or vocab_size < 1):
@@ -182,7 +223,11 @@ class EngineClient:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         if retry_backoff_s < 0:
             raise ValueError(f"retry_backoff_s must be >= 0, got {retry_backoff_s}")
-        self.engine_urls = [normalise_url(u) for u in engine_urls]
+        # the dispatch owns where calls go: ``engine_urls`` are what the scheduler dispatches to (the
+        # engines, or the router alone), ``worker_urls`` the engines behind them (dispatch.py)
+        self.dispatch = dispatch
+        self.engine_urls = dispatch.targets
+        self.worker_urls = list(dispatch.engines)
         self._owns_transport = transport is None
         self.transport: Transport = transport if transport is not None else HttpTransport()
         self.timeout_s = timeout_s
@@ -191,66 +236,32 @@ class EngineClient:
         self.retry_backoff_s = retry_backoff_s
         # token ids sent and received must lie below it; None (unknown) checks only ids >= 0
         self.vocab_size = vocab_size
-        self.stats: dict[str, EngineStats] = {url: EngineStats() for url in self.engine_urls}
+        self.stats: dict[str, EngineStats] = {url: EngineStats() for url in self.engine_urls + self.worker_urls}
 
     @classmethod
-    async def from_router(cls, router_url: str, **kw) -> "EngineClient":
-        """Build a client for every engine the router lists (``GET {router}/workers``).
+    async def from_router(cls, router_url: str, *, dispatch: str = "direct", hints: DeploymentHints | None = None,
+                          **kw) -> "EngineClient":
+        """Build a client for every engine the router lists (``GET {router}/workers``), dispatching
+        as ``dispatch`` (auto | direct | router) says (``dispatch.choose``).
 
         A router URL is expected (slime always starts ``sglang-router``). A URL that answers
         ``/workers`` with HTTP 404 but answers as an SGLang engine (its weight version) is taken
         as the job's only engine, with a warning; anything else fails with an error saying that a
         router URL is expected.
         """
-        router_url = normalise_url(router_url)
         transport = kw.pop("transport", None)
         owns_transport = transport is None
         if owns_transport:
             transport = HttpTransport()
         try:
-            try:
-                reply = await _call_with_retries(
-                    transport,
-                    router_url,
-                    "GET",
-                    "/workers",
-                    None,
-                    timeout_s=min(kw.get("timeout_s", 3600.0), CONTROL_TIMEOUT_S),
-                    max_retries=kw.get("max_retries", 3),
-                    retry_backoff_s=kw.get("retry_backoff_s", 1.0),
-                    stats=EngineStats(),
-                )
-                urls = parse_worker_urls(reply, router_url)
-            except RequestRejected as exc:
-                if exc.status != 404:
-                    raise
-                urls = [await cls._single_engine(router_url, transport, kw)]
-            if not urls:
-                raise EngineError(f"router {router_url} lists no engines")
-            client = cls(urls, transport=transport, **kw)
+            chosen = await _discover(normalise_url(router_url), transport, dispatch, hints, kw)
+            client = cls([], transport=transport, dispatch=chosen, **kw)
         except BaseException:
             if owns_transport:
                 await transport.close()
             raise
         client._owns_transport = owns_transport
         return client
-
-    @classmethod
-    async def _single_engine(cls, url: str, transport: Transport, kw: dict) -> str:
-        probe = cls([url], transport=transport, **kw)
-        try:
-            await probe.weight_version(url)
-        except EngineError as exc:
-            raise EngineError(
-                f"{url} is not a router: GET /workers answered HTTP 404, and it does not answer as "
-                f"an SGLang engine either ({exc}); a router URL is expected (sglang-router, slime's "
-                "--sglang-router-ip/--sglang-router-port)"
-            ) from exc
-        logger.warning(
-            "%s has no /workers (HTTP 404): a router URL is expected; it answers as an SGLang "
-            "engine, so it is used as the only rollout engine", url,
-        )
-        return url
 
     def _stats(self, url: str) -> EngineStats:
         return self.stats.setdefault(url, EngineStats())
@@ -326,6 +337,11 @@ class EngineClient:
             "return_logprob": True,
             "rid": rid,
         }
+        if self.dispatch.is_router(engine_url):
+            dropped = router_dropped_fields(payload)
+            if dropped:
+                raise RequestRejected(f"router {engine_url} rid {rid}: the router drops {', '.join(dropped)} "
+                                      "without a word; this request needs april_dispatch: direct")
 
         # A timed-out generate may still be running on the engine: the client only stopped
         # waiting. Retrying straight away would have the engine generate the same sample twice at
@@ -335,12 +351,14 @@ class EngineClient:
         async def abort_timed_out_request() -> None:
             stats = self._stats(engine_url)
             stats.aborts_after_timeout += 1
-            try:
-                timeout_s = min(self.control_timeout_s, ABORT_TIMEOUT_S)
+            timeout_s = min(self.control_timeout_s, ABORT_TIMEOUT_S)
+
+            async def abort_on(url: str) -> None:
                 async with asyncio.timeout(timeout_s):
-                    await self.transport.request(
-                        "POST", engine_url, "/abort_request", {"rid": rid}, timeout_s
-                    )
+                    await self.transport.request("POST", url, "/abort_request", {"rid": rid}, timeout_s)
+
+            try:
+                await _fan_out([abort_on(u) for u in self.dispatch.abort_urls(engine_url)], f"abort of {rid}")
             except (TransportHTTPError, asyncio.TimeoutError, OSError, ValueError) as exc:
                 stats.failed_aborts_after_timeout += 1
                 logger.warning(
@@ -383,12 +401,18 @@ class EngineClient:
         if (rid is None) == (not abort_all):
             raise ValueError("abort needs exactly one of rid or abort_all=True")
         payload: dict = {"abort_all": True} if abort_all else {"rid": rid}
-        await _call_with_retries(
-            self.transport, engine_url, "POST", "/abort_request", payload,
-            timeout_s=self.control_timeout_s if timeout_s is None else timeout_s,
-            max_retries=self.max_retries if max_retries is None else max_retries,
-            retry_backoff_s=self.retry_backoff_s, stats=self._stats(engine_url),
-        )
+
+        async def abort_on(url: str) -> None:
+            await _call_with_retries(
+                self.transport, url, "POST", "/abort_request", payload,
+                timeout_s=self.control_timeout_s if timeout_s is None else timeout_s,
+                max_retries=self.max_retries if max_retries is None else max_retries,
+                retry_backoff_s=self.retry_backoff_s, stats=self._stats(url),
+            )
+
+        # through the router every engine is asked: the router has no /abort_request, and which
+        # engine runs the rid is the router's business
+        await _fan_out([abort_on(u) for u in self.dispatch.abort_urls(engine_url)], f"abort through {engine_url}")
 
     async def probe(self, engine_url: str, timeout_s: float) -> None:
         """Health probe: a one-token generate answered within ``timeout_s`` (what SGLang's own
@@ -409,18 +433,25 @@ class EngineClient:
             raise EngineReplyError(f"engine {engine_url}: health probe reply is not a generate reply")
 
     async def loads(self) -> list[EngineLoad]:
-        """Current load of every engine, queried concurrently, in ``engine_urls`` order."""
+        """Current load of every engine (``worker_urls``: behind the router too), queried
+        concurrently, in ``worker_urls`` order."""
+
+        # retractions the replies reported: per engine, or (through the router, which says no
+        # engine) all on the first one, so that their sum over the engines stays right
+        router = [u for u in self.engine_urls if self.dispatch.is_router(u)]
+        counted = {u: self._stats(u).retractions_in_replies for u in self.worker_urls}
+        if router:
+            counted[self.worker_urls[0]] += self._stats(router[0]).retractions_in_replies
 
         async def one(url: str) -> EngineLoad:
             reply = await self._call(
                 url, "GET", "/v1/loads", None, timeout_s=self.control_timeout_s
             )
-            return self._counting_reply_errors(
-                url, parse_load, reply, url, self._stats(url).retractions_in_replies)
+            return self._counting_reply_errors(url, parse_load, reply, url, counted[url])
 
         # Every query runs to its end (no task is left behind unobserved); the first failure wins.
         results = await asyncio.gather(
-            *(one(url) for url in self.engine_urls), return_exceptions=True
+            *(one(url) for url in self.worker_urls), return_exceptions=True
         )
         for result in results:
             if isinstance(result, BaseException):
@@ -428,7 +459,18 @@ class EngineClient:
         return list(results)
 
     async def weight_version(self, engine_url: str) -> int:
+        """The weight version ``engine_url`` serves; for the router, the newest its engines report
+        (the router answers neither path), failing only when none of them answers."""
         engine_url = normalise_url(engine_url)
+        if self.dispatch.is_router(engine_url):
+            replies = await asyncio.gather(*(self.weight_version(u) for u in self.worker_urls),
+                                           return_exceptions=True)
+            versions = [r for r in replies if not isinstance(r, BaseException)]
+            if versions:
+                return max(versions)
+            if not replies:
+                raise EngineError(f"router {engine_url} lists no engine to report a weight version")
+            raise next(r for r in replies if isinstance(r, BaseException))
         path = "/get_weight_version"
         try:
             reply = await self._call(engine_url, "GET", path, None, timeout_s=self.control_timeout_s)

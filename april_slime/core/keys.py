@@ -12,3 +12,4 @@ METRIC_PREFIX = "april/"  # every logged metric of the rollout and the loss
 # Sample.train_metadata / Sample.metadata
 TOKEN_VERSIONS_KEY = "april_token_versions_rle"  # [[policy version, token count], ...] of the response
 POLICY_VERSION_KEY = "april_policy_version"  # the policy version of the step the sample trained in
+OPOB_GROUP_KEY = "april_opob_group"  # written on the trainer: the sample's prompt group for VCPO's baseline

@@ -12,8 +12,12 @@ client (``engine.py``) calls these parsers on every reply it receives; nothing h
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
+
+import numpy as np
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -127,15 +131,19 @@ def _split_logprob_triples(triples: list, where: str) -> tuple[list[float], list
         logprob, token_id = triple[0], triple[1]
         if isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
             raise EngineReplyError(f"{where}: log-prob at position {pos} is {logprob!r}")
-        if not math.isfinite(logprob):
+        try:
+            value = float(logprob)
+        except OverflowError:  # an integer beyond any double
+            value = math.inf
+        if not math.isfinite(value):
             raise EngineReplyError(f"{where}: log-prob at position {pos} is not finite ({logprob})")
-        if logprob > LOGPROB_TOLERANCE:
+        if value > LOGPROB_TOLERANCE:
             raise EngineReplyError(
                 f"{where}: log-prob at position {pos} is {logprob} > 0, not a log-probability"
             )
         if isinstance(token_id, bool) or not isinstance(token_id, int):
             raise EngineReplyError(f"{where}: token id at position {pos} is {token_id!r}")
-        logprobs.append(float(logprob))
+        logprobs.append(value)
         token_ids.append(token_id)
     return logprobs, token_ids
 
@@ -145,8 +153,14 @@ def check_token_ids(ids: list[int], vocab_size: int | None, what: str) -> None:
     Raises ``ValueError`` naming the first bad position."""
     if not ids:
         return
-    if all(type(t) is int for t in ids):
-        low, high = min(ids), max(ids)
+    # Inputs run to tens of thousands of ids: the common case is checked in C (a count of exact
+    # types, then the bounds of an int64 array); anything else goes through the loop below.
+    if list(map(type, ids)).count(int) == len(ids):
+        try:
+            as_int64 = np.frombuffer(array("q", ids), dtype=np.int64)
+            low, high = as_int64.min(), as_int64.max()
+        except OverflowError:  # beyond int64: out of any vocabulary, but fine for an unknown one
+            low, high = min(ids), max(ids)
         if low >= 0 and (vocab_size is None or high < vocab_size):
             return
     for pos, t in enumerate(ids):
@@ -154,6 +168,137 @@ def check_token_ids(ids: list[int], vocab_size: int | None, what: str) -> None:
                 vocab_size is not None and t >= vocab_size):
             bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
             raise ValueError(f"{what}: token id {t!r} at position {pos} is not an integer in {bound}")
+
+
+# ------------------------------------------------------------------------ a reply's output tokens
+# A reply carries an id and a log-prob for every output token, twice over for the ids (output_ids
+# and the triples): tens of thousands of items. Checked one by one in Python they cost several times
+# the JSON decoding, so the common well-formed case is checked with whole-list operations that run
+# in C (counts of exact types, int64/float64 arrays, numpy reductions). A reply they cannot vouch
+# for goes through the reference checks, which name what is wrong at its first position. Both
+# accept the same replies and return the same lists (tests/test_reply_tokens.py).
+
+
+@dataclass(frozen=True, eq=False)
+class LogprobArrays:
+    """``meta_info.output_token_logprobs`` of an in-process reply: the log-probs (float64) and
+    token ids (int64) as two aligned arrays instead of ``[[logprob, token_id, text], ...]``.
+
+    Not SGLang's wire form, which is JSON: an engine that lives in the client's process (the
+    emulator on its virtual clock) hands these over, with the reply's ``output_ids`` as an int64
+    array too, so a reply costs no Python object per token until the client builds its lists.
+    ``to_triples`` is what the same reply says on the wire."""
+
+    logprobs: np.ndarray
+    token_ids: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def to_triples(self) -> list[list]:
+        return list(map(list, zip(self.logprobs.tolist(), self.token_ids.tolist(), repeat(None))))
+
+
+def output_tokens(output_ids: Any, triples: Any, vocab_size: int | None,
+                  where: str) -> tuple[list[int], list[float]]:
+    """A reply's ``output_ids`` (None: the engine sent only the triples) and
+    ``meta_info.output_token_logprobs`` (a list of triples, or ``LogprobArrays``) -> (token ids,
+    log-probs) as fresh lists, once every per-token check has passed: triples well formed,
+    log-probs finite and <= ``LOGPROB_TOLERANCE``, ids integers in ``[0, vocab_size)``, the same
+    ids in both places. Raises ``EngineReplyError`` naming the first bad position."""
+    if isinstance(triples, LogprobArrays):
+        checked = _checked_arrays(output_ids, triples, vocab_size)
+        if checked is not None:
+            return checked
+        # the wire form of the same reply, for the reference checks to name the problem
+        triples = triples.to_triples()
+        if isinstance(output_ids, np.ndarray):
+            output_ids = output_ids.tolist()
+    else:
+        checked = _checked_lists(output_ids, triples, vocab_size)
+        if checked is not None:
+            return checked
+    return _checked_one_by_one(output_ids, triples, vocab_size, where)
+
+
+def _checked_lists(output_ids: Any, triples: Any, vocab_size: int | None) -> tuple[list[int], list[float]] | None:
+    """``output_tokens`` for lists of triples, as JSON decodes them, in whole-list operations;
+    None unless every check passes (types are counted exactly, so a bool, a float id or an int
+    log-prob is left to the reference checks)."""
+    if type(triples) is not list:
+        return None
+    n = len(triples)
+    if list(map(type, triples)).count(list) != n:
+        return None
+    try:
+        logprobs = [t[0] for t in triples]
+        triple_ids = [t[1] for t in triples]
+    except IndexError:  # a triple of fewer than two items
+        return None
+    if list(map(type, logprobs)).count(float) != n or list(map(type, triple_ids)).count(int) != n:
+        return None
+    if output_ids is None:
+        output_ids = triple_ids
+    elif (not isinstance(output_ids, list) or list(map(type, output_ids)).count(int) != n
+          or output_ids != triple_ids):
+        return None
+    if n:
+        as_float64 = np.frombuffer(array("d", logprobs), dtype=np.float64)
+        if not (np.isfinite(as_float64).all() and as_float64.max() <= LOGPROB_TOLERANCE):
+            return None
+        try:
+            as_int64 = np.frombuffer(array("q", output_ids), dtype=np.int64)
+        except OverflowError:
+            return None
+        if not _ids_in_vocab(as_int64, vocab_size):
+            return None
+    return list(output_ids), logprobs
+
+
+def _checked_arrays(output_ids: Any, arrays: LogprobArrays,
+                    vocab_size: int | None) -> tuple[list[int], list[float]] | None:
+    """``output_tokens`` for ``LogprobArrays`` (and ``output_ids`` as an int64 array or None);
+    None unless every check passes."""
+    logprobs, ids = arrays.logprobs, arrays.token_ids
+    if not (isinstance(logprobs, np.ndarray) and logprobs.dtype == np.float64 and logprobs.ndim == 1
+            and isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.shape == logprobs.shape):
+        return None
+    if output_ids is not None and not (isinstance(output_ids, np.ndarray) and output_ids.dtype == np.int64
+                                       and np.array_equal(output_ids, ids)):
+        return None
+    if len(ids) and not (np.isfinite(logprobs).all() and logprobs.max() <= LOGPROB_TOLERANCE
+                         and _ids_in_vocab(ids, vocab_size)):
+        return None
+    return ids.tolist(), logprobs.tolist()
+
+
+def _ids_in_vocab(ids: np.ndarray, vocab_size: int | None) -> bool:
+    return bool(ids.min() >= 0 and (vocab_size is None or ids.max() < vocab_size))
+
+
+def _checked_one_by_one(output_ids: Any, triples: Any, vocab_size: int | None,
+                        where: str) -> tuple[list[int], list[float]]:
+    """The reference checks of ``output_tokens``: item by item, raising at the first bad one."""
+    logprobs, triple_ids = _split_logprob_triples(triples, where)
+    if output_ids is None:
+        output_ids = triple_ids
+    elif not isinstance(output_ids, list) or not all(type(t) is int for t in output_ids):
+        raise EngineReplyError(f"{where}: output_ids is not a list of integers")
+    if len(output_ids) != len(triples):
+        raise EngineReplyError(
+            f"{where}: {len(output_ids)} output_ids but {len(triples)} output_token_logprobs"
+        )
+    if output_ids != triple_ids:
+        pos = next(i for i, (a, b) in enumerate(zip(output_ids, triple_ids)) if a != b)
+        raise EngineReplyError(
+            f"{where}: output_token_logprobs[{pos}] is for token {triple_ids[pos]}, "
+            f"output_ids has {output_ids[pos]}"
+        )
+    try:
+        check_token_ids(output_ids, vocab_size, f"{where}: output_ids")
+    except ValueError as exc:
+        raise EngineReplyError(str(exc)) from None
+    return list(output_ids), logprobs
 
 
 def _parse_version_spans(spans: Any, n: int, where: str) -> list[list[int]]:
@@ -210,32 +355,12 @@ def parse_generate_reply(
     triples = meta.get("output_token_logprobs")
     if triples is None and finish_type == "abort" and not reply.get("output_ids"):
         triples = []  # aborted before any token: some builds send no log-prob list at all
-    if not isinstance(triples, list):
+    if not isinstance(triples, (list, LogprobArrays)):
         raise EngineReplyError(
             f"{where}: meta_info.output_token_logprobs missing or not a list (was the request sent "
             "with return_logprob=true?)"
         )
-    logprobs, triple_ids = _split_logprob_triples(triples, where)
-
-    output_ids = reply.get("output_ids")
-    if output_ids is None:
-        output_ids = triple_ids
-    elif not isinstance(output_ids, list) or not all(type(t) is int for t in output_ids):
-        raise EngineReplyError(f"{where}: output_ids is not a list of integers")
-    if len(output_ids) != len(triples):
-        raise EngineReplyError(
-            f"{where}: {len(output_ids)} output_ids but {len(triples)} output_token_logprobs"
-        )
-    if output_ids != triple_ids:
-        pos = next(i for i, (a, b) in enumerate(zip(output_ids, triple_ids)) if a != b)
-        raise EngineReplyError(
-            f"{where}: output_token_logprobs[{pos}] is for token {triple_ids[pos]}, "
-            f"output_ids has {output_ids[pos]}"
-        )
-    try:
-        check_token_ids(output_ids, vocab_size, f"{where}: output_ids")
-    except ValueError as exc:
-        raise EngineReplyError(str(exc)) from None
+    output_ids, logprobs = output_tokens(reply.get("output_ids"), triples, vocab_size, where)
 
     completion = meta.get("completion_tokens")
     if completion is None and finish_type == "abort" and not output_ids:
@@ -262,7 +387,7 @@ def parse_generate_reply(
                     else None)
 
     return GenerateResult(
-        output_ids=list(output_ids),
+        output_ids=output_ids,
         logprobs=logprobs,
         finish_reason=finish_type,
         weight_version=weight_version,
@@ -276,24 +401,6 @@ def parse_generate_reply(
 
 def normalise_url(url: str) -> str:
     return url.rstrip("/")
-
-
-def parse_worker_urls(reply: Any, router_url: str) -> list[str]:
-    """Accept ``{"urls": [...]}``, ``{"workers": [...]}`` or a bare list; items are URLs or
-    objects with a ``url`` key (the shapes of sglang-router's and its gateway's worker lists)."""
-    if isinstance(reply, dict):
-        items = reply.get("urls", reply.get("workers"))
-    else:
-        items = reply
-    if not isinstance(items, list):
-        raise EngineReplyError(f"router {router_url} GET /workers: no worker list in {reply!r}")
-    urls = []
-    for item in items:
-        url = item.get("url") if isinstance(item, dict) else item
-        if not isinstance(url, str) or not url:
-            raise EngineReplyError(f"router {router_url} GET /workers: bad worker entry {item!r}")
-        urls.append(normalise_url(url))
-    return urls
 
 
 def parse_load(reply: Any, url: str, retractions_in_replies: int = 0) -> EngineLoad:

@@ -11,6 +11,21 @@ import json
 from typing import Any, Protocol
 
 import aiohttp
+import orjson
+
+
+def decode_json(raw: bytes) -> Any:
+    """A reply body -> its JSON value. orjson (what SGLang itself encodes with) decodes a
+    16K-token reply about 4x faster than the standard library. What orjson refuses and the
+    standard library reads (NaN and Infinity literals, numbers beyond a double, lone surrogates) is
+    read by the latter, so the reply checks see the value and name what is wrong with it. One
+    difference stays: an integer beyond 64 bits comes back as a double (as in SGLang's own
+    orjson), which every check that wants an integer refuses. Raises ``ValueError`` when the body
+    is not JSON."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
 
 
 class TransportHTTPError(Exception):
@@ -67,7 +82,7 @@ class HttpTransport:
                 json=payload,
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as response:
-                text = await response.text()
+                raw = await response.read()
                 status = response.status
         except asyncio.TimeoutError:
             raise
@@ -77,16 +92,16 @@ class HttpTransport:
             raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
         if not 200 <= status < 300:
             try:
-                body: Any = json.loads(text)
+                body: Any = decode_json(raw)
             except ValueError:
-                body = text
+                body = raw.decode("utf-8", "replace")
             raise TransportHTTPError(status, body)
-        if not text.strip():
+        if not raw.strip():
             return None
         try:
-            return json.loads(text)
+            return decode_json(raw)
         except ValueError as exc:
-            raise ValueError(f"reply is not JSON: {text[:200]!r}") from exc
+            raise ValueError(f"reply is not JSON: {raw[:200].decode('utf-8', 'replace')!r}") from exc
 
     async def close(self) -> None:
         if self._session is not None and not self._session.closed:

@@ -60,6 +60,11 @@ class Trajectory:
     # the finished sample as its codec keeps it (JSON-safe)
     loss_mask: list[int] | None = None
     episode_sample: dict | None = None
+    # an episode whose function returned list[Sample] (slime's compact shape): each sample as its codec
+    # keeps it, with its own per-token versions and calls ({"sample", "version_runs", "call_versions",
+    # "num_calls", "num_aborts"}); the member's own fields then hold every model token of the
+    # episode, and ``reward`` is the list of the samples' rewards
+    episode_samples: list[dict] | None = None
     # a model call of an episode: its own sampling parameters (None: the step's)
     sampling_params: dict | None = None
     # an unfinished episode: the oldest policy version of the tokens its calls hold (not saved)
@@ -87,7 +92,8 @@ class Trajectory:
         Nothing is appended when any of it is inconsistent."""
         if len(output_ids) != len(logprobs):
             raise ValueError(f"{self.uid}: {len(output_ids)} tokens but {len(logprobs)} log-probs")
-        if not all(math.isfinite(lp) for lp in logprobs):
+        # a sum is finite if every term is (one C pass); only a sum that is not looks at each term
+        if not math.isfinite(sum(logprobs)) and not all(math.isfinite(lp) for lp in logprobs):
             raise ValueError(f"{self.uid}: non-finite log-prob in engine output")
         if version_runs is None:
             version_runs = [[version, len(output_ids)]] if output_ids else []
@@ -147,6 +153,7 @@ class Trajectory:
         self.status, self.finish_reason = TrajectoryStatus.PENDING, None
         self.reward = None
         self.loss_mask, self.episode_sample, self.episode_oldest_version = None, None, None
+        self.episode_samples = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -168,6 +175,7 @@ class Trajectory:
             "rejected_calls": self.rejected_calls,
             "loss_mask": None if self.loss_mask is None else list(self.loss_mask),
             "episode_sample": self.episode_sample,
+            "episode_samples": self.episode_samples,
             "sampling_params": self.sampling_params,
         }
 

@@ -3,13 +3,16 @@
 ``PerSampleGradNorms`` covers every trainable parameter of a model with a per-sample rule
 (``april_slime.training.layer_grads``), hooks the layers, and keeps per micro-batch the squared
 norms ``||g_i||^2`` of each sample's score and, for VCPO's off-policy optimal baseline, the second
-gradient buffer ``Q = sum_i c_i g_i`` and the running sums ``sum_i c_i ||g_i||^2``, ``sum_i ||g_i||^2``
-(``april_slime.training.baseline`` turns them into the baselined gradient).
+gradient buffer ``Q = sum_i c_i g_i`` (``april_slime.training.baseline`` turns them into the baselined
+gradient). A micro-batch of a single sample is left to the caller: its gradient is the whole
+gradient buffer, so the hooks only pass its backward through.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+import time
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,12 +20,47 @@ from torch import nn
 
 from april_slime.training.layer_grads import LayerRules, MicrobatchSegments, module_kind, parameter_names
 
-__all__ = ["PerSampleGradNorms", "group_active", "reduce_per_sample_sq_norms"]
+__all__ = ["PerSampleGradNorms", "SectionClock", "group_active", "reduce_per_sample_sq_norms"]
 
 
 def group_active(group) -> bool:
     """True when ``group`` spans more than one rank, so a reduction over it is needed."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+class SectionClock:
+    """Time spent in sections of one step: host time on the CPU, CUDA events on a GPU (recorded
+    without a sync; ``seconds()`` waits for the last one), so asynchronous kernels are counted
+    where they run."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._host = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    @contextlib.contextmanager
+    def section(self, device: torch.device | str | None = None) -> Iterator[None]:
+        if device is not None and torch.device(device).type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._host += time.perf_counter() - t0
+
+    def seconds(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()
+        return self._host + sum(s.elapsed_time(e) for s, e in self._events) / 1000.0
 
 
 def _main_output(output: Any) -> torch.Tensor | None:
@@ -57,8 +95,10 @@ class PerSampleGradNorms:
     (no ``tensor_model_parallel`` attribute) are counted on TP rank 0 only.
 
     With ``weighted=True`` the hooks also accumulate ``Q[p] = sum_i c_i G_i[p]`` (``c_i`` given per
-    micro-batch) into ``weighted_grads`` -- the second buffer of the linearity trick -- and the
-    running OPOB sums ``num = sum_i c_i ||G_i||^2``, ``den = sum_i ||G_i||^2``.
+    micro-batch) into ``weighted_grads`` -- the second buffer of the linearity trick.
+
+    A micro-batch with one sample is skipped (its norm and ``Q`` come from the gradient buffer,
+    ``baseline.OpobAccumulator``); ``clock`` times what the hooks do.
 
     Every trainable parameter of ``model`` must belong to a covered layer, or construction fails
     (a silently partial norm would bias the baseline). One forward and one backward per
@@ -77,11 +117,8 @@ class PerSampleGradNorms:
         self._inputs: dict[nn.Module, tuple[torch.Tensor, ...]] = {}
         self._modules: list[tuple[nn.Module, str, str]] = []
         self._mb: MicrobatchSegments | None = None
-        self.num = None  # torch scalars once anything was accumulated
-        self.den = None
         self.microbatches = 0
-        self.last_baseline = float("nan")  # set by finish_opob_step
-        self.last_num = self.last_den = float("nan")
+        self.clock = SectionClock()
 
         covered: dict[int, str] = {}
         all_params: dict[int, str] = {}
@@ -127,9 +164,8 @@ class PerSampleGradNorms:
         self._inputs.clear()
 
     def reset(self) -> None:
-        """Start a new optimizer step: clear the weighted buffers and the OPOB sums."""
+        """Start a new optimizer step: clear the weighted buffers."""
         self._rules.weighted_grads = {}
-        self.num = self.den = None
         self.microbatches = 0
         self._mb = None
         self._inputs.clear()
@@ -163,6 +199,14 @@ class PerSampleGradNorms:
         """Per-sample squared norms of the latest micro-batch (this rank's shards only)."""
         return None if self._mb is None else self._mb.sq_norms
 
+    def counts_in_norm(self, p: torch.Tensor) -> str:
+        """How this rank's gradient of ``p`` enters a sample's squared norm: ``counted`` (a shard,
+        or a replicated parameter on TP rank 0), ``tp_partial`` (a replicated parameter whose
+        gradient is summed over the TP group by Megatron: sequence parallelism) or ``skip``."""
+        if self.tp_size > 1 and getattr(p, "sequence_parallel", False):
+            return "tp_partial"
+        return "counted" if self._rules.counts(p) else "skip"
+
     # -- hooks -----------------------------------------------------------------------------
     def _make_forward_hook(self, kind: str) -> Callable:
         def hook(module, inputs, output):
@@ -183,15 +227,13 @@ class PerSampleGradNorms:
             raise RuntimeError("backward through a hooked layer before set_microbatch(): the loss must "
                                "describe its micro-batch (opob_policy_loss does)")
         (inp,) = self._inputs.pop(module)
-        sq = self._rules.sq_norms(module, kind, inp, grad, mb)
-        if mb.sq_norms is None:
-            mb.sq_norms = torch.zeros_like(sq)
-        mb.sq_norms += sq
-        if mb.coeffs is not None:
-            c = mb.coeffs.to(device=sq.device, dtype=sq.dtype)
-            num, den = (c * sq).sum(), sq.sum()
-            self.num = num if self.num is None else self.num + num
-            self.den = den if self.den is None else self.den + den
+        if mb.num_samples == 1:
+            return
+        with self.clock.section(grad.device):
+            sq = self._rules.sq_norms(module, kind, inp, grad, mb)
+            if mb.sq_norms is None:
+                mb.sq_norms = torch.zeros_like(sq)
+            mb.sq_norms += sq
 
 
 def reduce_per_sample_sq_norms(sq_norms: torch.Tensor, tp_group=None) -> torch.Tensor:

@@ -100,7 +100,8 @@ class LayerRules:
         self.gram_tile = gram_tile
         self.weighted_grads: dict[nn.Parameter, torch.Tensor] = {}
 
-    def _counts(self, p: torch.Tensor) -> bool:
+    def counts(self, p: torch.Tensor) -> bool:
+        """Whether this rank's gradient of ``p`` counts in a sample's norm (replicated: TP rank 0)."""
         return self.tp_size == 1 or getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0
 
     # -- sequence parallelism ---------------------------------------------------------------
@@ -159,7 +160,7 @@ class LayerRules:
                 raise RuntimeError(f"{type(module).__name__}: activations {tuple(a.shape)} / output grads "
                                    f"{tuple(b.shape)} do not match weight {tuple(weight.shape)} "
                                    "(gather_output is not supported)")
-            self._linear(weight, a.to(b.dtype), b, mb, sq, self._counts(weight))
+            self._linear(weight, a.to(b.dtype), b, mb, sq, self.counts(weight))
             if bias is not None:
                 # RowParallelLinear's bias under sequence parallelism is replicated and summed over
                 # the TP group by Megatron: its second buffer takes this rank's tokens only
@@ -210,7 +211,7 @@ class LayerRules:
         g_eff = gamma.detach().to(acc) + (1.0 if getattr(module, "zero_centered_gamma", False) else 0.0)
         n = xhat * g_eff + (beta.detach().to(acc) if beta is not None else 0.0)
         b_full = self._gather_tokens(b) if b_split else b
-        self._linear(weight, n.to(b.dtype), b_full, mb, sq, self._counts(weight))
+        self._linear(weight, n.to(b.dtype), b_full, mb, sq, self.counts(weight))
         if bias is not None:
             self._segment_sum_param(bias, b_full.to(acc), mb, sq, split=False,
                                     local=b.to(acc) if b_split else None)
@@ -266,7 +267,7 @@ class LayerRules:
             dist.all_reduce(full, group=self.tp_group)
         else:
             full = rows
-        if self._counts(p) and not (split and self.tp_rank != 0):
+        if self.counts(p) and not (split and self.tp_rank != 0):
             sq += full.pow(2).sum(-1)
         if self.weighted:
             q_rows = rows if local is None else self._rows(local, mb, self._local_slice(total).start)
@@ -325,7 +326,7 @@ class LayerRules:
             raise RuntimeError(f"{type(module).__name__}: output grads {tuple(b.shape)} do not match "
                                f"weight {tuple(weight.shape)}")
         seg_k, row_k, b_k = seg[keep], local[keep], b[keep]
-        if self._counts(weight) and seg_k.numel():
+        if self.counts(weight) and seg_k.numel():
             key = seg_k * n_rows + row_k
             uniq, inverse = torch.unique(key, return_inverse=True)
             grouped = torch.zeros(uniq.numel(), b.shape[-1], dtype=b.dtype, device=b.device)

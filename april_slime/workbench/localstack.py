@@ -173,14 +173,16 @@ class LocalEngine:
 
     ``port=None`` picks a free port at start (and another one if it was taken meanwhile).
     ``threads`` sets OMP_NUM_THREADS for the engine (1 by default: the machines it is meant for
-    are small and shared). ``extra_args`` go to ``sglang.launch_server`` as they are.
+    are small and shared). ``extra_args`` go to ``sglang.launch_server`` as they are. ``python`` is
+    the interpreter that serves (default: this one); another SGLang build lives in another venv.
     """
 
     def __init__(self, model_path: str | os.PathLike, *, port: int | None = None, host: str = "127.0.0.1",
                  max_total_tokens: int = 32768, max_running_requests: int = 64, weight_version: int | str = 0,
                  extra_args: Sequence[str] = (), log_path: str | os.PathLike | None = None, threads: int = 1,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, python: str | None = None) -> None:
         self.model_path = str(model_path)
+        self.python = python or sys.executable
         self.host = host
         self._fixed_port = port
         self.port = port
@@ -208,7 +210,7 @@ class LocalEngine:
         return self._process.proc.pid if self._process.proc else None
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+        return [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path,
                 "--host", self.host, "--port", str(self.port), *CPU_ENGINE_FLAGS,
                 "--max-total-tokens", str(self.max_total_tokens),
                 "--max-running-requests", str(self.max_running_requests),

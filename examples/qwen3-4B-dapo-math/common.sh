@@ -207,6 +207,23 @@ PERF_ARGS=(
    --max-tokens-per-gpu 9216
 )
 
+# VCPO's group baseline folds each prompt group once its last sample's backward has run, so a
+# micro-batch must hold one group (8 samples) on one rank: static micro-batches of
+# n-samples-per-prompt instead of dynamic batching (docs/vcpo.md, "Limits").
+if [ "$VCPO_HOOK" = "1" ]; then
+   static=()
+   skip_next=0
+   for arg in "${PERF_ARGS[@]}"; do
+      if [ "$skip_next" = "1" ]; then skip_next=0; continue; fi
+      case "$arg" in
+         --use-dynamic-batch-size) ;;
+         --max-tokens-per-gpu) skip_next=1 ;;
+         *) static+=("$arg") ;;
+      esac
+   done
+   PERF_ARGS=("${static[@]}" --micro-batch-size 8)
+fi
+
 # numerics of slime's Qwen3-4B example; the platform launchers append to it
 MISC_ARGS=(
    --attention-dropout 0.0

@@ -1,11 +1,15 @@
-"""Record what a real SGLang 0.5.23 CPU engine answers to the emulator's protocol scenarios.
+"""Record what a real SGLang CPU engine answers to the emulator's protocol scenarios.
 
     python scripts/real-stack/record_golden.py                 # starts its own engine (tiny model)
+    python scripts/real-stack/record_golden.py --python "$(cat .venv/sglang-0.5.15.post1-python)"
     python scripts/real-stack/record_golden.py --engine-url URL --model DIR --other-model DIR2 \
         --max-running-requests R
 
-writes tests/data/sglang-0.5.23-golden.json, which tests/test_emulator.py compares the emulator's
-replies with (field by field, ``reply_shape``) and the real tier re-checks against a live engine.
+writes tests/data/sglang-<version>-golden.json (the version the engine reports on /v1/loads).
+tests/test_emulator.py compares the emulator's replies with 0.5.23's (field by field,
+``reply_shape``), tests/test_sglang_versions.py holds the engine client to both versions' replies,
+and the real tier re-checks each against a live engine. ``--python`` serves the engine from another
+interpreter (the SGLang 0.5.15.post1 layer ``setup.sh`` builds).
 """
 
 from __future__ import annotations
@@ -22,17 +26,21 @@ from april_slime.workbench.emulator.testing import golden_replies
 from april_slime.workbench.localstack import LocalEngine, real_stack_missing
 from april_slime.workbench.tiny_qwen3 import build_tiny_qwen3
 
-OUT = Path(__file__).resolve().parents[2] / "tests" / "data" / "sglang-0.5.23-golden.json"
+DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
+
+
+def engine_sglang_version(engine_url: str) -> str:
+    with urllib.request.urlopen(f"{engine_url}/v1/loads") as r:
+        return json.loads(r.read())["version"]
 
 
 def record(engine_url: str, other_model: str, max_running_requests: int) -> dict:
     with urllib.request.urlopen(f"{engine_url}/model_info") as r:
         version = int(json.loads(r.read())["weight_version"])
+    sglang_version = engine_sglang_version(engine_url)
     replies = asyncio.run(golden_replies(engine_url, max_running_requests=max_running_requests,
                                          new_weights_path=other_model, weight_version=version))
-    import sglang
-
-    return {"sglang_version": sglang.__version__, "max_running_requests": max_running_requests,
+    return {"sglang_version": sglang_version, "max_running_requests": max_running_requests,
             "scenarios": replies}
 
 
@@ -41,7 +49,8 @@ def main() -> int:
     parser.add_argument("--engine-url")
     parser.add_argument("--other-model", help="weights /update_weights_from_disk loads (same shape)")
     parser.add_argument("--max-running-requests", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--python", help="interpreter that serves the engine (default: this one)")
+    parser.add_argument("--out", type=Path, default=None, help="default: tests/data/sglang-<version>-golden.json")
     ns = parser.parse_args()
     missing = real_stack_missing()
     if missing:
@@ -56,11 +65,12 @@ def main() -> int:
             model = build_tiny_qwen3(Path(tmp) / "a", eos_rate=1 / 24)
             other = build_tiny_qwen3(Path(tmp) / "b", tokenizer=AutoTokenizer.from_pretrained(model), seed=1,
                                      eos_rate=1 / 24)
-            with LocalEngine(model, max_running_requests=ns.max_running_requests) as engine:
+            with LocalEngine(model, max_running_requests=ns.max_running_requests, python=ns.python) as engine:
                 result = record(engine.url, str(other), ns.max_running_requests)
-    ns.out.parent.mkdir(parents=True, exist_ok=True)
-    ns.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    print(f"wrote {ns.out}")
+    out = ns.out or DATA / f"sglang-{result['sglang_version']}-golden.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    print(f"wrote {out}")
     return 0
 
 

@@ -10,6 +10,9 @@
 #      the CUDA-only ones, SGLang itself (--no-deps), the router, megatron-core, and two CPU
 #      workarounds (see README.md beside this file). Built once, then reused; a half-built one
 #      (no stamp) is removed and rebuilt.
+#   1b. SGLang 0.5.15.post1 (slime's image SGLang) in a venv of its own over layer 1, holding only
+#      what it pins differently (requirements-sglang-0.5.15.txt); the real tier serves its second
+#      set of engines from it (.venv/sglang-0.5.15.post1-python names its interpreter).
 #   2. The clone's own .venv, which sees layer 1 through a .pth file and holds the project
 #      (editable), its test tools and slime.
 #
@@ -58,14 +61,34 @@ fi
 PYTHONWARNINGS=ignore "$base/bin/python" -c "import sglang, sglang_router, megatron.core, torch; \
 print('sglang', sglang.__version__)" >&2
 
+# Layer 1b: SGLang 0.5.15.post1 (slime's image SGLang) over layer 1, for the real tier's second set
+# of engines. A venv of its own holding only the packages it pins differently, seeing layer 1
+# through a .pth file placed after its own site-packages (so its own versions win).
+old_key="$(cat "$here/requirements-sglang-0.5.15.txt" | sha256sum | cut -c1-16)"
+old_sglang="$cache/sglang-0.5.15-$old_key-on-$key"
+base_site="$("$base/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+if [[ ! -f "$old_sglang/.complete" ]]; then
+    log "building the SGLang 0.5.15.post1 layer in $old_sglang (about 1 minute, 0.5 GB; once per machine)"
+    rm -rf "$old_sglang"
+    "$py" -m venv "$old_sglang"
+    old_site="$("$old_sglang/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    printf '%s\n' "$base_site" > "$old_site/zz_april_real_stack.pth"
+    "$old_sglang/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+        -r "$here/requirements-sglang-0.5.15.txt"
+    SGLANG_USE_CPU_ENGINE=1 PYTHONWARNINGS=ignore "$old_sglang/bin/python" -c \
+        "import sglang.srt.entrypoints.http_server, sglang; assert sglang.__version__ == '0.5.15.post1'" 2>/dev/null
+    date -u +%FT%TZ > "$old_sglang/.complete"
+fi
+
 # Layer 2: the clone's own venv on top of the shared one.
 venv="$repo/.venv"
 if [[ ! -x "$venv/bin/python" ]]; then
     "$py" -m venv "$venv"
 fi
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-base_site="$("$base/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 printf '%s\n' "$base_site" > "$site/april_real_stack.pth"
+# where the real tier finds the interpreter that serves SGLang 0.5.15.post1
+printf '%s\n' "$old_sglang/bin/python" > "$venv/sglang-0.5.15.post1-python"
 
 vpip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${vpip[@]}" --no-deps -e "$repo"
@@ -100,6 +123,9 @@ if [[ -n "$slime_src" ]]; then
     fi
     flock -u 9
     "${vpip[@]}" --no-deps "$patched"
+    # slime's trainer actor (megatron_utils/actor.py) imports it at module level; it only acts on
+    # CUDA memory, and the training tier runs that actor's train_actor on the CPU
+    "${vpip[@]}" --no-deps torch-memory-saver==0.0.10
     log "slime from $slime_src (patches applied)"
 elif [[ "${APRIL_REQUIRE_REAL:-}" == 1 || "${CI:-}" =~ ^([Tt][Rr][Uu][Ee]|1|yes)$ ]]; then
     # CI must run the real tier: stop here rather than let it skip.

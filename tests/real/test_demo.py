@@ -1,8 +1,9 @@
 """`april-slime demo` end to end, short: a warm-started tiny Qwen3 on a real SGLang CPU engine behind
-sglang-router, sync and copris through slime's rollout path, the plugin's loss, weight pushes.
+sglang-router, sync and copris through slime's rollout path, the plugin's loss, weight pushes; and
+``--task tool``, the same loop with multi-turn episodes (a calculator tool between model calls).
 
 The demo serves its own model (the task's character tokenizer), so it starts its own engine rather
-than sharing the session's ``real_stack``; one engine, four steps per policy, a short warm start.
+than sharing the session's ``real_stack``; one engine, a few steps per policy, a short warm start.
 """
 
 from __future__ import annotations
@@ -80,3 +81,44 @@ def test_plot_is_written(demo_run):
     _, png = demo_run
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
+
+
+# ------------------------------------------------------------------ --task tool
+TOOL_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def tool_run(tmp_path_factory):
+    from april_slime.workbench.demo import cli
+
+    root = tmp_path_factory.mktemp("demo-tool")
+    out_json = root / "demo.json"
+    rc = cli.main(["--task", "tool", "--quick", "--policies", "sync,copris", "--steps", str(TOOL_STEPS),
+                   "--sft-steps", "200", "--cache-dir", str(root / "cache"), "--workdir", str(root / "work"),
+                   "--json", str(out_json)])
+    assert rc == 0
+    return json.loads(out_json.read_text())
+
+
+def test_tool_task_runs_episodes_of_several_calls(tool_run):
+    assert tool_run["settings"]["task"] == "tool"
+    batch = tool_run["settings"]["rollout_batch_size"] * tool_run["settings"]["n_samples_per_prompt"]
+    for name, series in tool_run["policies"].items():
+        for key in ("reward", "wall_s", "ess_ratio", "episode_calls", "tool_s"):
+            assert len(series[key]) == TOOL_STEPS and all(math.isfinite(v) for v in series[key]), (name, key)
+        assert series["policy_version"] == list(range(TOOL_STEPS)), name
+        # the warm policy calls the calculator in most episodes: more model calls than samples, tool time spent
+        assert sum(series["episode_calls"]) > TOOL_STEPS * batch, (name, series["episode_calls"])
+        assert min(series["tool_s"]) > 0, name
+        start, end = series["eval_reward"]
+        assert start > 0.05 and end >= start - 0.15, (name, series["eval_reward"])
+
+
+def test_tool_task_sync_is_on_policy_and_copris_suspends_and_resumes_calls(tool_run):
+    sync, copris = tool_run["policies"]["sync"], tool_run["policies"]["copris"]
+    assert sync["suspended_calls"] == [0.0] * TOOL_STEPS and sync["offpolicy_token_fraction"] == [0.0] * TOOL_STEPS
+    assert min(sync["ess_ratio"]) > 0.99
+    # copris ends each step with calls pending (suspended episodes), resumes them under new weights
+    assert min(copris["suspended_calls"]) > 0
+    assert sum(copris["resumed_calls"]) > 0
+    assert max(copris["offpolicy_token_fraction"]) > 0 and max(copris["loss_offpolicy_token_frac"]) > 0

@@ -40,10 +40,12 @@ def test_a_multi_turn_function_trains_exact_tokens_across_aborts_and_weight_push
         real_stack, tmp_path, settings=settings, batch=2, n=2, max_len=af.TURNS * af.REAL_PER_TURN,
         extra_argv=["--custom-generate-function-path", "tests.support.agent_functions.text_then_ids"]))
     trained, resumed_calls, spanning = [], 0, 0
+    real_stack.wait_idle()  # requests an earlier test left on the shared engines end first
     try:
         for step, version in enumerate(weights_of):
             if version != v0:
                 model = real_stack.other_model_path if weights_of[version] == "B" else real_stack.model_path
+                real_stack.wait_idle()  # SGLang refuses to flush its cache while a request is on the engine
                 real_stack.push_weights(model, version)
             samples, metrics, _ = m.generate(step)
             assert metrics["april/policy_version"] == version

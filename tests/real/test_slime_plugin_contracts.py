@@ -31,8 +31,10 @@ their own (``tests.support.contract_worker``) on the real engines: signature, on
 job's eval function (``assert_eval_rollout_contract``), and ``check_data_source_path`` with the
 contract's stub arguments completed by the job's.
 
-Not run, because they check no entry point of ours: the custom-generate contracts (the plugin has no
-``--custom-generate-function-path``), the runtime-hook contracts (rollout / eval logging, reward
+Not run, because they check no entry point of ours: the custom-generate contracts (they check a
+user's ``--custom-generate-function-path`` function as slime's ``generate_and_rm`` calls it; the plugin
+runs such functions unchanged, ``tests/test_episodes*.py`` and ``tests/test_slime_agent_examples.py``),
+the runtime-hook contracts (rollout / eval logging, reward
 post-processing, sample conversion, rollout-data post-processing: none is ours), and the other
 path-loading cases (eval function: in a job it is our rollout function, which the eval case would
 call with ``args=None`` and hand to slime's own eval path, which needs engines, as the contract says

@@ -10,6 +10,7 @@ retool example does. ``CONTROL`` lets a test make a function fail or hang on pur
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections import Counter
 
 import aiohttp
@@ -23,7 +24,8 @@ TOOL_TOKENS = [7, 8, 9]
 TOKENIZER = ToyTokenizer()
 
 # test knobs: sample index -> how many more runs raise / hang in a tool / alter a token
-CONTROL: dict[str, Counter] = {"raise": Counter(), "hang": Counter(), "corrupt": Counter()}
+CONTROL: dict[str, Counter] = {"raise": Counter(), "hang": Counter(), "corrupt": Counter(),
+                               "split_rollout_id": Counter(), "drop_turn": Counter()}
 CALLS: Counter = Counter()  # model calls made, per sample index
 TOOL_RUNS: list[int] = []  # sample index of every tool run
 
@@ -37,6 +39,11 @@ async def _call(session: aiohttp.ClientSession, url: str, ids: list[int], params
 
 async def multi_turn(args, sample, sampling_params):
     """TURNS model calls of at most PER_TURN tokens, with a tool between two calls."""
+    return (await _episode(args, sample, sampling_params))[0]
+
+
+async def _episode(args, sample, sampling_params):
+    """``multi_turn``'s episode: the sample, and where each model turn lies in its response."""
     url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
     assert not args.partial_rollout, "the plugin resumes calls under the function"
     index = sample.index
@@ -47,7 +54,7 @@ async def multi_turn(args, sample, sampling_params):
     if corrupt:
         CONTROL["corrupt"][index] -= 1
     prompt = TOKENIZER.encode(sample.prompt)
-    response, mask, logprobs = [], [], []
+    response, mask, logprobs, turns = [], [], [], []
     async with aiohttp.ClientSession() as session:
         for turn in range(TURNS):
             out = await _call(session, url, prompt + response, {**sampling_params, "max_new_tokens": PER_TURN})
@@ -58,6 +65,7 @@ async def multi_turn(args, sample, sampling_params):
             assert ids == out["output_ids"]
             if corrupt and turn == 0:
                 ids = ids[:-1] + [(ids[-1] + 1) % 200 + 10] if ids else [11]
+            turns.append((len(response), len(response) + len(ids)))
             response += ids
             mask += [1] * len(ids)
             logprobs += [float(t[0]) for t in out["meta_info"]["output_token_logprobs"]][:len(ids)]
@@ -77,7 +85,7 @@ async def multi_turn(args, sample, sampling_params):
     sample.loss_mask = mask
     sample.rollout_log_probs = logprobs
     sample.status = type(sample).Status.COMPLETED
-    return sample
+    return sample, turns
 
 
 async def with_evaluation(args, sample, sampling_params, evaluation=False):
@@ -86,11 +94,48 @@ async def with_evaluation(args, sample, sampling_params, evaluation=False):
     return await multi_turn(args, sample, sampling_params)
 
 
+async def fan_out(args, sample, sampling_params):
+    """slime's compact shape: the same episode as ``multi_turn``, returned as one sample per model
+    turn, each with the conversation before it as its prompt (tool tokens included) and the turn's
+    output as its response; the siblings share one ``rollout_id``, as slime requires. Sample 1 of
+    every group instead returns its turns as ``multi_turn`` does (one sample)."""
+    whole, turns = await _episode(args, sample, sampling_params)
+    if sample.index % 2 == 1:
+        return whole
+    prompt_len = len(whole.tokens) - whole.response_length
+    out = []
+    for n, (a, b) in enumerate(turns):
+        s = copy.deepcopy(whole)
+        s.tokens = whole.tokens[:prompt_len + b]
+        s.response_length = b - a
+        s.response = TOKENIZER.decode(s.tokens[prompt_len + a:])
+        s.loss_mask = [1] * (b - a)
+        s.rollout_log_probs = whole.rollout_log_probs[a:b]
+        s.rollout_id = 1000 * sample.index + (n if CONTROL["split_rollout_id"][sample.index] > 0 else 0)
+        out.append(s)
+    if CONTROL["split_rollout_id"][sample.index] > 0:
+        CONTROL["split_rollout_id"][sample.index] -= 1
+    if CONTROL["drop_turn"][sample.index] > 0:
+        CONTROL["drop_turn"][sample.index] -= 1
+        out.pop(1)
+    return out
+
+
+FILTERED: list[list[str]] = []  # what keep_all saw of each group: the type names of its samples
+
+
+def keep_all(args, samples):
+    """A dynamic sampling filter (slime's ``f(args, samples)``) that keeps every group."""
+    FILTERED.append([type(s).__name__ for s in samples])
+    return True
+
+
 def reset() -> None:
     for counter in CONTROL.values():
         counter.clear()
     CALLS.clear()
     TOOL_RUNS.clear()
+    FILTERED.clear()
 
 
 # ------------------------------------------------------------------ the real tier's function

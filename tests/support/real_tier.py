@@ -2,7 +2,7 @@
 engines behind the router (``RealStack``; ``tests/real/conftest.py`` owns the session fixture that
 starts it), slime job arguments for the plugin against it, probes of the engines' progress and
 events placed inside running requests (``Placement``), and slime's sample contract as the trainer
-relies on it (``check_slime_contract``).
+relies on it (``check_slime_contract``, ``check_multi_turn_contract``).
 
 Nothing here starts engines or needs them at import: where the tier cannot run,
 ``tests/real/conftest.py`` still imports this module to say why.
@@ -307,13 +307,7 @@ def check_slime_contract(samples, train, *, tokenizer, batch: int, n: int, max_l
     from slime.utils.types import Sample
 
     eos = tokenizer.eos_token_id
-    assert len(samples) == batch * n
-    groups = [samples[i:i + n] for i in range(0, len(samples), n)]
-    assert len({g[0].group_index for g in groups}) == batch
-    for group in groups:
-        assert len({s.group_index for s in group}) == 1, "a group's samples are consecutive"
-    assert [s.index for s in samples] == sorted(s.index for s in samples), "sorted by index as slime sorts"
-    assert len({s.index for s in samples}) == len(samples)
+    _check_groups(samples, batch, n)
     for s in samples:
         prompt_ids = tokenizer.encode(prompt_of(s), add_special_tokens=False)
         response = s.tokens[len(prompt_ids):]
@@ -328,13 +322,52 @@ def check_slime_contract(samples, train, *, tokenizer, batch: int, n: int, max_l
             assert s.response_length == max_len and eos not in response
         assert all(math.isfinite(lp) and lp <= 0 for lp in s.rollout_log_probs)
         assert s.response == tokenizer.decode(response)
-        assert s.weight_versions and all(str(int(v)) == v for v in s.weight_versions)
-        runs = s.train_metadata[TOKEN_VERSIONS_KEY]
-        assert sum(c for _, c in runs) == s.response_length
+        _check_versions(s)
         assert s.reward == float(s.response_length % 2)
+    _check_train_data(samples, train, [[1] * s.response_length for s in samples])
+
+
+def check_multi_turn_contract(samples, train, *, batch: int, n: int, prompt_ids_of) -> None:
+    """What slime's trainer relies on, for samples a multi-turn generate function made
+    (``prompt_ids_of(s)``: the prompt tokens the function built): the response begins with model
+    tokens; the loss mask is 0/1, one per response token; model tokens have finite log-probs <= 0,
+    masked (tool) tokens the function's 0.0; per-call and per-token versions; a reward."""
+    from slime.utils.types import Sample
+
+    _check_groups(samples, batch, n)
+    for s in samples:
+        prompt_ids = prompt_ids_of(s)
+        assert s.tokens[:len(prompt_ids)] == prompt_ids, f"sample {s.index}: the tokens do not begin with its prompt"
+        assert len(s.tokens) - len(prompt_ids) == s.response_length == len(s.rollout_log_probs) == len(s.loss_mask)
+        assert s.response_length > 0 and s.loss_mask[0] == 1 and set(s.loss_mask) <= {0, 1}
+        assert s.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED), s.status
+        for lp, keep in zip(s.rollout_log_probs, s.loss_mask):
+            assert (math.isfinite(lp) and lp <= 0) if keep else lp == 0.0
+        _check_versions(s)
+        assert s.reward is not None
+    _check_train_data(samples, train, [s.loss_mask for s in samples])
+
+
+def _check_groups(samples, batch: int, n: int) -> None:
+    assert len(samples) == batch * n
+    groups = [samples[i:i + n] for i in range(0, len(samples), n)]
+    assert len({g[0].group_index for g in groups}) == batch
+    for group in groups:
+        assert len({s.group_index for s in group}) == 1, "a group's samples are consecutive"
+    assert [s.index for s in samples] == sorted(s.index for s in samples), "sorted by index as slime sorts"
+    assert len({s.index for s in samples}) == len(samples)
+
+
+def _check_versions(s) -> None:
+    assert s.weight_versions and all(str(int(v)) == v for v in s.weight_versions)
+    runs = s.train_metadata[TOKEN_VERSIONS_KEY]
+    assert sum(c for _, c in runs) == s.response_length
+
+
+def _check_train_data(samples, train, loss_masks: list[list[int]]) -> None:
     assert train["tokens"] == [s.tokens for s in samples]
     assert train["rollout_log_probs"] == [s.rollout_log_probs for s in samples]
-    assert train["loss_masks"] == [[1] * s.response_length for s in samples]
+    assert train["loss_masks"] == loss_masks
     assert train["metadata"] == [s.train_metadata for s in samples]
 
 

@@ -77,7 +77,10 @@ class Cluster:
         if length is None:
             length = LengthModel(median_tokens=24.0, prompt_sigma=0.6, truncation_fraction=0.1)
         model = SyntheticLM(seed=seed, length=length)
-        self.emulator = EmulatorCluster(num_engines, model=model, engine_config=EngineConfig(time_scale=20.0))
+        # a starved test process pauses the engines with it (max_lag_s), so a loaded machine does not
+        # turn the time it lost into a burst of finished requests that leaves no partial to resume
+        self.emulator = EmulatorCluster(num_engines, model=model,
+                                        engine_config=EngineConfig(time_scale=20.0, max_lag_s=0.25))
 
         async def start():
             await self.emulator.start()

@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "reproduce` sets up the published figures. See docs/bench.md.")
     p.add_argument("workload", nargs="?", default="dapo16k", choices=sorted(WORKLOADS),
                    help="what to run (default: dapo16k, the headline: 30 steps x 4 policies, "
-                        "~10 minutes on 2 cores; multi-turn: agent episodes with tools, run beside "
+                        "about 3 minutes of CPU; multi-turn: agent episodes with tools, run beside "
                         "their single-turn twin of equal tokens)")
     p.add_argument("--mode", choices=MODES, default="virtual",
                    help="virtual: in-process, virtual clock (fast); http: real HTTP on loopback, "
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="rollout steps per policy (>= 1)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: fewer steps, prompts and sweep points (virtual: under a "
-                        "minute on 2 cores, 26 s measured; --mode http: 2 policies x 2 steps of 4 x 8 samples "
+                        "minute on 2 cores, 22 s measured; --mode http: 2 policies x 2 steps of 4 x 8 samples "
                         "with a 2K budget, 1-2 minutes at --time-scale 1); no steady state, so "
                         "the numbers are not results")
     p.add_argument("--band", action="store_true",

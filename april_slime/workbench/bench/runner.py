@@ -184,10 +184,12 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
                      mode: str = "virtual", time_scale: float = 1.0,
                      concurrency: int | None = None, over_sampling_factor: float | None = None,
                      max_response_len: int | None = None, on_step=None,
-                     driver: EpisodeDriver | None = None) -> PolicyRun:
+                     driver: EpisodeDriver | None = None, token_arrays: bool = True) -> PolicyRun:
     """Run one policy for ``workload.steps`` rollout + training steps on a fresh emulated cluster,
     inside the running event loop (virtual: the caller runs this under ``run_virtual``). A
-    multi-turn workload runs through an ``EpisodeDriver`` (made here unless given)."""
+    multi-turn workload runs through an ``EpisodeDriver`` (made here unless given).
+    ``token_arrays=False`` (virtual mode) hands the client SGLang's lists instead of the engines'
+    token arrays: the same run, slower (the reference the arrays are tested against)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     scale = 1.0 if mode == "virtual" else float(time_scale)
@@ -209,9 +211,10 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
             await cluster.serve_http()
             transport = HttpTransport()
         else:
-            # Replies are fresh lists built per call, so the JSON round trip that guards against
-            # aliasing buys nothing here and would dominate the run time.
-            transport = cluster.transport(copy_payloads=False)
+            # Replies are built afresh per call, so the JSON round trip that guards against
+            # aliasing buys nothing here and would dominate the run time; the replies' tokens stay
+            # arrays (the same values as the wire form, without a Python object per token).
+            transport = cluster.transport(token_arrays=token_arrays)
         if policy == "sync-split":
             transport = SplitDispatch(transport, cluster.engine_urls, workload.rollout_batch_size)
         # Virtual time: an emulated hour passes in a moment, so the client timeout must not be

@@ -12,19 +12,24 @@ import sys
 import tempfile
 from pathlib import Path
 
-from april_slime.workbench.demo.loop import FULL, POLICIES, QUICK
+from april_slime.workbench.demo.loop import FULL, POLICIES, QUICK, TASKS, TOOL_FULL, TOOL_QUICK
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="april-slime demo",
-        description="Train a tiny Qwen3 to reverse digits with RL on CPU: real SGLang engines behind "
+        description="Train a tiny Qwen3 with RL on CPU (reverse digits; with --task tool, multiply with a "
+                    "calculator tool over multi-turn episodes): real SGLang engines behind "
                     "sglang-router, the plugin's generate_rollout / AprilDataSource inside slime's rollout path, "
                     "slime's reward path, the plugin's loss on a torch copy of the policy, weights pushed with "
                     "/update_weights_from_disk. Needs the real-stack environment (scripts/real-stack/setup.sh).")
     p.add_argument("--quick", action="store_true",
                    help=f"short run: {', '.join(QUICK.policies)}, {QUICK.steps} steps each "
                         "(under 10 minutes on 2 cores)")
+    p.add_argument("--task", choices=TASKS, default="reverse",
+                   help="reverse: reverse digits, one model call per sample; tool: multiply two numbers by calling "
+                        "a calculator tool (slime custom generate function: episodes of several model calls, "
+                        "tool latency between them)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the per-step series of every policy here")
     p.add_argument("--plot", type=Path, metavar="PNG", help="draw reward vs wall-clock, off-policy share and ESS")
     p.add_argument("--policies", help=f"comma-separated subset of {','.join(POLICIES)}")
@@ -45,7 +50,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def settings_from(ns: argparse.Namespace):
-    base = QUICK if ns.quick else FULL
+    if ns.task == "tool":
+        base = TOOL_QUICK if ns.quick else TOOL_FULL
+    else:
+        base = QUICK if ns.quick else FULL
     changes = {}
     if ns.policies:
         changes["policies"] = tuple(p.strip() for p in ns.policies.split(",") if p.strip())

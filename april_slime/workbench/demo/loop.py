@@ -34,16 +34,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from april_slime.workbench.demo import task
+from april_slime.workbench.demo import task, tool_task
 from april_slime.workbench.demo.policy import PolicySpec
+from april_slime.workbench.demo.tool_task import ToolPolicySpec
 
 POLICIES = ("sync", "april", "copris")
+TASKS = ("reverse", "tool")
 
 # per-step series written for every policy (``--json``)
 SERIES = ("reward", "wall_s", "offpolicy_token_fraction", "staleness_mean", "ess_ratio", "policy_version",
           "rollout_s", "train_s", "push_s", "resumed_trajectories", "buffered_partials", "aborted_tokens",
           "generated_tokens", "mean_response_length", "loss_offpolicy_token_frac", "behaviour_ratio_mean",
-          "lr_scale")
+          "lr_scale", "episode_calls", "suspended_calls", "resumed_calls", "tool_s")
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,23 @@ class DemoSettings:
     eval_prompts: int = 256
     eval_every: int = 5
     seed: int = 0
-    policy: PolicySpec = field(default_factory=PolicySpec)
+    task: str = "reverse"  # or "tool": multi-turn episodes with a calculator (tool_task)
+    policy: PolicySpec | ToolPolicySpec = field(default_factory=PolicySpec)
+    # the tool task's calculator: log-normal latency per call (median, sigma, cap) and turns per episode
+    tool_latency_median_s: float = 0.3
+    tool_latency_sigma: float = 1.0
+    tool_latency_max_s: float = 4.0
+    tool_max_turns: int = 3
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task: choose from {', '.join(TASKS)}; got {self.task!r}")
+        wanted = ToolPolicySpec if self.task == "tool" else PolicySpec
+        if not isinstance(self.policy, wanted):
+            raise ValueError(f"policy: the {self.task} task needs a {wanted.__name__}, got "
+                             f"{type(self.policy).__name__}")
+        if self.tool_latency_median_s < 0 or self.tool_latency_sigma < 0 or self.tool_max_turns < 1:
+            raise ValueError("tool_latency_median_s and tool_latency_sigma must be >= 0, tool_max_turns >= 1")
         unknown = [p for p in self.policies if p not in POLICIES]
         if unknown or not self.policies:
             raise ValueError(f"policies: choose from {', '.join(POLICIES)}; got {list(self.policies)}")
@@ -85,6 +101,8 @@ class DemoSettings:
 
 QUICK = DemoSettings(policies=("sync", "copris"), steps=15)
 FULL = DemoSettings()
+TOOL_QUICK = DemoSettings(task="tool", policy=ToolPolicySpec(), policies=("sync", "copris"), steps=15)
+TOOL_FULL = DemoSettings(task="tool", policy=ToolPolicySpec())
 
 
 # ====================================================================== slime arguments
@@ -111,11 +129,14 @@ def slime_args(settings: DemoSettings, policy: str, *, checkpoint: Path, prompts
         "--rollout-temperature", str(settings.temperature),
         "--sglang-router-ip", host, "--sglang-router-port", port,
         # reward: slime's reward path with the task's reward function
-        "--custom-rm-path", "april_slime.workbench.demo.task.reward",
+        "--custom-rm-path", f"{_task_module(settings).__name__}.reward",
         # loss: the plugin's policy loss, as a slime job selects it
         "--loss-type", "custom_loss", "--custom-loss-function-path", "april_slime.loss.policy_loss",
         "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
     ]
+    if settings.task == "tool":
+        # the episodes: slime's custom generate function, one model call per turn
+        argv += ["--custom-generate-function-path", f"{tool_task.__name__}.generate"]
     parser = argparse.ArgumentParser(allow_abbrev=False)
     get_slime_extra_args_provider()(parser)
     add_sglang_arguments(parser)
@@ -160,8 +181,17 @@ def push_weights(engine_urls: list[str], model_path: Path, version: int, timeout
             raise RuntimeError(f"{url}/update_weights_from_disk refused {model_path} (version {version}): {reply!r}")
 
 
-def evaluate(engine_urls: list[str], tokenizer: Any, prompts: list[dict], settings: DemoSettings) -> float:
-    """Mean reward of one sampled answer per held-out prompt from the engines' current weights."""
+def _task_module(settings: DemoSettings):
+    return tool_task if settings.task == "tool" else task
+
+
+def evaluate(engine_urls: list[str], tokenizer: Any, prompts: list[dict], settings: DemoSettings, *,
+             router_url: str, checkpoint: Path) -> float:
+    """Mean reward of one sampled answer (the tool task: one episode) per held-out prompt from the
+    engines' current weights."""
+    if settings.task == "tool":
+        return tool_task.evaluate(router_url, checkpoint, prompts, settings.temperature,
+                                  settings.policy.max_response_len)
     ids = [tokenizer.encode(p["prompt"], add_special_tokens=False) for p in prompts]
     params = {"temperature": settings.temperature, "top_p": 1.0, "top_k": -1,
               "max_new_tokens": settings.policy.max_response_len, "no_stop_trim": True}
@@ -208,7 +238,8 @@ def run_policy(policy: str, settings: DemoSettings, *, checkpoint: Path, prompts
     generate_rollout = load_function(args.rollout_function_path)
     history: dict[str, list[float]] = {k: [] for k in SERIES}
     history.update(eval_step=[0], eval_wall_s=[0.0],
-                   eval_reward=[evaluate(engine_urls, tokenizer, eval_prompts, settings)])
+                   eval_reward=[evaluate(engine_urls, tokenizer, eval_prompts, settings, router_url=router_url,
+                                         checkpoint=checkpoint)])
     log(f"[{policy}] warm start: held-out reward {history['eval_reward'][0]:.3f}")
     wall = 0.0
     weights_dir = workdir / policy / "weights"
@@ -230,7 +261,8 @@ def run_policy(policy: str, settings: DemoSettings, *, checkpoint: Path, prompts
             if version % settings.eval_every == 0 or version == settings.steps:
                 history["eval_step"].append(version)
                 history["eval_wall_s"].append(wall)
-                history["eval_reward"].append(evaluate(engine_urls, tokenizer, eval_prompts, settings))
+                history["eval_reward"].append(evaluate(engine_urls, tokenizer, eval_prompts, settings,
+                                                       router_url=router_url, checkpoint=checkpoint))
             log(_progress(policy, step, settings.steps, history))
     finally:
         rollout.shutdown()
@@ -259,6 +291,12 @@ def _record(history: dict[str, list[float]], out: Any, train: dict[str, float], 
     history["loss_offpolicy_token_frac"].append(train.get("april/offpolicy_token_frac", math.nan))
     history["behaviour_ratio_mean"].append(train.get("april/behaviour_ratio_mean", math.nan))
     history["lr_scale"].append(train.get("lr_scale", 1.0))
+    # episodes (the tool task): model calls answered, calls left pending at the step's end, calls
+    # that took more than one segment, seconds spent in tools (summed over episodes)
+    history["episode_calls"].append(m.get("april/episodes/calls", 0.0))
+    history["suspended_calls"].append(m.get("april/episodes/suspended", 0.0))
+    history["resumed_calls"].append(m.get("april/episodes/resumed_calls", 0.0))
+    history["tool_s"].append(m.get("april/episodes/tool_seconds", 0.0))
 
 
 def _progress(policy: str, step: int, steps: int, h: dict[str, list[float]]) -> str:
@@ -268,6 +306,9 @@ def _progress(policy: str, step: int, steps: int, h: dict[str, list[float]]) -> 
             f"staleness {h['staleness_mean'][-1]:.2f}  ESS {h['ess_ratio'][-1]:.3f}  "
             f"resumed {int(h['resumed_trajectories'][-1])}  buffered {int(h['buffered_partials'][-1])}  "
             f"len {h['mean_response_length'][-1]:.1f}")
+    if h["episode_calls"][-1]:
+        line += (f"  calls {int(h['episode_calls'][-1])} suspended {int(h['suspended_calls'][-1])} "
+                 f"resumed {int(h['resumed_calls'][-1])}")
     if h["eval_step"][-1] == step + 1:
         line += f"  held-out {h['eval_reward'][-1]:.3f}"
     return line
@@ -282,15 +323,20 @@ def run_demo(settings: DemoSettings, *, cache_dir: Path, workdir: Path,
     from april_slime.workbench.demo.policy import build_policy
     from april_slime.workbench.localstack import local_stack
 
+    if settings.task == "tool":
+        tool_task.TOOL.update(latency_median_s=settings.tool_latency_median_s,
+                              latency_sigma=settings.tool_latency_sigma,
+                              latency_max_s=settings.tool_latency_max_s, max_turns=settings.tool_max_turns)
+
     hf_logging.disable_progress_bar()  # a save and a load per step: their bars would bury the progress lines
     started = time.perf_counter()
-    checkpoint = build_policy(cache_dir, settings.policy, log)
+    build = tool_task.build_policy if settings.task == "tool" else build_policy
+    checkpoint = build(cache_dir, settings.policy, log)
     t_policy = time.perf_counter() - started
-    prompts = task.write_prompts(workdir / "prompts.jsonl", settings.train_prompts, settings.policy.num_digits,
-                                 settings.seed)
+    prompts = _write_prompts(settings, workdir / "prompts.jsonl", settings.train_prompts, settings.seed)
     train_set = {json.loads(line)["prompt"] for line in prompts.read_text().splitlines()}
-    held_out_path = task.write_prompts(workdir / "held_out.jsonl", settings.eval_prompts + len(train_set),
-                                       settings.policy.num_digits, settings.seed + 1)
+    held_out_path = _write_prompts(settings, workdir / "held_out.jsonl", settings.eval_prompts + len(train_set),
+                                   settings.seed + 1)
     held_out = [p for p in map(json.loads, held_out_path.read_text().splitlines())
                 if p["prompt"] not in train_set][:settings.eval_prompts]
     log(f"starting {settings.engines} SGLang CPU engine(s) behind sglang-router")
@@ -308,6 +354,12 @@ def run_demo(settings: DemoSettings, *, cache_dir: Path, workdir: Path,
     return {"policies": results, "settings": _plain(dataclasses.asdict(settings)),
             "checkpoint": str(checkpoint), "policy_build_s": t_policy, "engine_start_s": t_engines,
             "total_s": time.perf_counter() - started}
+
+
+def _write_prompts(settings: DemoSettings, path: Path, n: int, seed: int) -> Path:
+    if settings.task == "tool":
+        return tool_task.write_prompts(path, n, settings.policy, seed)
+    return task.write_prompts(path, n, settings.policy.num_digits, seed)
 
 
 def _plain(value: Any) -> Any:

@@ -31,7 +31,10 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
     ax_off.legend(fontsize=8)
     ax_ess.legend(fontsize=8, loc="lower left")
     s = result.get("settings", {})
-    fig.suptitle(f"april-slime demo: reverse {s.get('policy', {}).get('num_digits', '?')} digits, tiny Qwen3 on "
+    digits = s.get("policy", {}).get("num_digits", "?")
+    what = (f"multiply two {digits}-digit numbers with a calculator tool (multi-turn)" if s.get("task") == "tool"
+            else f"reverse {digits} digits")
+    fig.suptitle(f"april-slime demo: {what}, tiny Qwen3 on "
                  f"{s.get('engines', '?')} SGLang CPU engine(s), {s.get('rollout_batch_size', '?')} prompts x "
                  f"{s.get('n_samples_per_prompt', '?')} samples per step", fontsize=10)
     fig.tight_layout()

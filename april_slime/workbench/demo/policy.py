@@ -23,17 +23,26 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ClassVar, Sequence
 
 from april_slime.workbench.demo import task
+
+# (prompt, response) text of one demonstration, drawn with the given generator; the response is a
+# text, or (text, trained) segments: a multi-turn demonstration's tool outputs are not trained on
+Demonstrate = Callable[[random.Random], tuple[str, "str | list[tuple[str, bool]]"]]
+
+SHARED_PREFIX_MIN = 32  # tokens of shared prompt prefix worth a forward of its own
 
 # Bump when the build below changes in a way the settings do not capture.
 BUILD_FORMAT = 1
 
 
 @dataclass(frozen=True)
-class PolicySpec:
-    num_digits: int = 5
+class WarmStartSpec:
+    """What every demo policy has: the tiny Qwen3's shape and its supervised warm start. A task's
+    spec adds its own fields, names those that must be >= 1 (``POSITIVE``) or lie in [0, 1]
+    (``PROBABILITIES``), and checks the rest in ``_check``."""
+
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -42,22 +51,39 @@ class PolicySpec:
     sft_steps: int = 300
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
-    label_noise: float = 0.2
-    ramble_prob: float = 0.3
-    ramble_mean: float = 12.0
-    max_response_len: int = 32
     seed: int = 0
 
+    POSITIVE: ClassVar[tuple[str, ...]] = ()
+    PROBABILITIES: ClassVar[tuple[str, ...]] = ()
+
     def __post_init__(self) -> None:
-        for name in ("num_digits", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "sft_batch_size", "ramble_mean"):
+        for name in (*self.POSITIVE, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "sft_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.sft_steps < 0:
             raise ValueError(f"sft_steps: must be >= 0, got {self.sft_steps}")
-        for name in ("label_noise", "ramble_prob"):
+        for name in self.PROBABILITIES:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}: must lie in [0, 1], got {getattr(self, name)}")
+        self._check()
+
+    def _check(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class PolicySpec(WarmStartSpec):
+    num_digits: int = 5
+    label_noise: float = 0.2
+    ramble_prob: float = 0.3
+    ramble_mean: float = 12.0
+    max_response_len: int = 32
+
+    POSITIVE: ClassVar[tuple[str, ...]] = ("num_digits", "ramble_mean")
+    PROBABILITIES: ClassVar[tuple[str, ...]] = ("label_noise", "ramble_prob")
+
+    def _check(self) -> None:
         if self.max_response_len < self.num_digits + 1:
             raise ValueError(f"max_response_len: must fit the answer and its stop ({self.num_digits + 1} "
                              f"tokens), got {self.max_response_len}")
@@ -80,44 +106,90 @@ def demonstration(rng: random.Random, spec: PolicySpec) -> tuple[str, str]:
     return task.prompt_text(digits), answer + task.EOS
 
 
-def _sft_batch(tokenizer, rng: random.Random, spec: PolicySpec):
-    """Right-padded input ids, attention mask and labels (-100 outside the responses)."""
+def _sft_rows(tokenizer, rng: random.Random, demonstrate: Demonstrate, batch_size: int):
+    """Token ids of ``batch_size`` demonstrations (prompt + response), each one's prompt length, and
+    which tokens are trained on (the response's, less its untrained segments)."""
+    rows, prompt_lengths, trained = [], [], []
+    for _ in range(batch_size):
+        prompt, response = demonstrate(rng)
+        p = tokenizer.encode(prompt, add_special_tokens=False)
+        segments = [(response, True)] if isinstance(response, str) else response
+        r, keep = [], []
+        for text, trainable in segments:  # one by one, as a multi-turn function tokenizes them
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            r += ids
+            keep += [trainable] * len(ids)
+        rows.append(p + r)
+        prompt_lengths.append(len(p))
+        trained.append([False] * len(p) + keep)
+    return rows, prompt_lengths, trained
+
+
+def _padded(rows: list[list[int]], trained: list[list[bool]], pad: int):
+    """Right-padded input ids, attention mask and labels (-100 where not trained)."""
     import torch
 
-    rows, labels = [], []
-    for _ in range(spec.sft_batch_size):
-        prompt, response = demonstration(rng, spec)
-        p = tokenizer.encode(prompt, add_special_tokens=False)
-        r = tokenizer.encode(response, add_special_tokens=False)
-        rows.append(p + r)
-        labels.append([-100] * len(p) + r)
     width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
+    labels = [[t if k else -100 for t, k in zip(r, keep)] for r, keep in zip(rows, trained)]
     ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     target = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
     return ids, mask, target
 
 
-def warm_start(model, tokenizer, spec: PolicySpec, log: Callable[[str], None] = print) -> list[float]:
-    """Supervised phase on noisy demonstrations; returns the loss of every step."""
+def shared_prefix(rows: list[list[int]], prompt_lengths: list[int]) -> int:
+    """Tokens every row begins with, short of each prompt's last token (whose logits predict the
+    first response token and so must be computed with the row)."""
+    limit = min(prompt_lengths) - 1
+    n = 0
+    while n < limit and all(r[n] == rows[0][n] for r in rows):
+        n += 1
+    return max(n, 0)
+
+
+def sft_loss(model, rows: list[list[int]], prompt_lengths: list[int], trained: list[list[bool]], pad: int):
+    """Mean cross-entropy of the response tokens. Demonstrations that share a long prompt prefix (a
+    system prompt) run it once, batch 1, and their suffixes on its key/value cache, rather than
+    the prefix once per row: the same loss, for a fraction of the compute."""
     import torch
 
-    rng = random.Random(spec.seed)
-    torch.manual_seed(spec.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
+    shared = shared_prefix(rows, prompt_lengths)
+    if shared < SHARED_PREFIX_MIN:
+        ids, mask, target = _padded(rows, trained, pad)
+        return model(input_ids=ids, attention_mask=mask, labels=target).loss
+    cache = model(input_ids=torch.tensor([rows[0][:shared]]), use_cache=True).past_key_values
+    cache.batch_repeat_interleave(len(rows))
+    ids, mask, target = _padded([r[shared:] for r in rows], [k[shared:] for k in trained], pad)
+    mask = torch.cat([torch.ones(len(rows), shared, dtype=mask.dtype), mask], dim=1)
+    logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                             target[:, 1:].reshape(-1), ignore_index=-100)
+
+
+def supervised(model, tokenizer, demonstrate: Demonstrate | Sequence[Demonstrate], *, steps: int, batch_size: int,
+               lr: float, seed: int, log: Callable[[str], None] = print) -> list[float]:
+    """Supervised phase: ``steps`` AdamW steps on batches of ``demonstrate(rng)`` (prompt, response)
+    texts, the loss on the response tokens only; returns the loss of every step. Several
+    ``demonstrate`` functions take turns, one batch each (a batch of one kind shares its prompt
+    prefix, which ``sft_loss`` computes once)."""
+    import torch
+
+    kinds = [demonstrate] if callable(demonstrate) else list(demonstrate)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     losses = []
     started = time.perf_counter()
-    for step in range(spec.sft_steps):
-        ids, mask, target = _sft_batch(tokenizer, rng, spec)
-        loss = model(input_ids=ids, attention_mask=mask, labels=target).loss
+    for step in range(steps):
+        rows, prompt_lengths, trained = _sft_rows(tokenizer, rng, kinds[step % len(kinds)], batch_size)
+        loss = sft_loss(model, rows, prompt_lengths, trained, tokenizer.pad_token_id)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-        if (step + 1) % 100 == 0 or step + 1 == spec.sft_steps:
-            log(f"warm start: step {step + 1}/{spec.sft_steps}, loss {sum(losses[-20:]) / len(losses[-20:]):.3f}, "
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            log(f"warm start: step {step + 1}/{steps}, loss {sum(losses[-20:]) / len(losses[-20:]):.3f}, "
                 f"{time.perf_counter() - started:.0f}s")
     model.eval()
     return losses
@@ -125,6 +197,14 @@ def warm_start(model, tokenizer, spec: PolicySpec, log: Callable[[str], None] = 
 
 def build_policy(cache_dir: str | Path, spec: PolicySpec, log: Callable[[str], None] = print) -> Path:
     """The warm-started checkpoint for ``spec``: reused from ``cache_dir`` when built before."""
+    return build_checkpoint(cache_dir, spec, task.build_tokenizer(), lambda rng: demonstration(rng, spec), log)
+
+
+def build_checkpoint(cache_dir: str | Path, spec, tokenizer, demonstrate: Demonstrate,
+                     log: Callable[[str], None] = print) -> Path:
+    """A tiny Qwen3 over ``tokenizer``, shaped and warm-started as ``spec`` says (its model shape,
+    ``sft_*`` settings and ``seed``) on ``demonstrate``; built once under ``cache_dir`` as
+    ``policy-<spec.key()>`` and reused from there."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -137,14 +217,14 @@ def build_policy(cache_dir: str | Path, spec: PolicySpec, log: Callable[[str], N
         return out
     tmp = cache_dir / f".policy-{spec.key()}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = task.build_tokenizer()
-    build_tiny_qwen3(tmp, tokenizer=tokenizer, vocab_size=len(task.VOCAB), hidden_size=spec.hidden_size,
+    build_tiny_qwen3(tmp, tokenizer=tokenizer, vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
                      num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                      head_dim=spec.head_dim, seed=spec.seed)
     model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
     set_stop_token(model, tokenizer)
     log(f"warm start: {sum(p.numel() for p in model.parameters())} parameters, {spec.sft_steps} supervised steps")
-    losses = warm_start(model, tokenizer, spec, log)
+    losses = supervised(model, tokenizer, demonstrate, steps=spec.sft_steps, batch_size=spec.sft_batch_size,
+                        lr=spec.sft_lr, seed=spec.seed, log=log)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "demo_policy.json").write_text(json.dumps(

@@ -23,13 +23,14 @@ SEPARATOR = "="
 VOCAB = [str(d) for d in range(10)] + [SEPARATOR, EOS, PAD]
 
 
-def build_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast`` over ``VOCAB`` (no training, no hub)."""
+def build_tokenizer(vocab: list[str] = VOCAB, pattern: str = "."):
+    """A ``PreTrainedTokenizerFast`` over ``vocab`` (no training, no hub): the text is split where
+    ``pattern`` matches (default: every character), each piece one token."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(VOCAB)}, unk_token=PAD))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(vocab)}, unk_token=PAD))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, pad_token=PAD,
                                    clean_up_tokenization_spaces=False)

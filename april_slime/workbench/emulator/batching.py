@@ -235,9 +235,10 @@ class EmulatedEngine(ContinuousBatch):
                     await self._sleep_until(None)  # idle until an arrival
                     # The idle gap is not work: the next step starts now. While busy, steps
                     # follow each other back to back on the emulated clock, whatever the lag
-                    # of the real loop behind it.
+                    # of the real loop behind it (up to max_lag_s, when set).
                     self._t = max(self._t, self.now())
                     continue
+            self._bound_lag()
             while self._plan is plan:
                 end = plan.end
                 fired = await self._sleep_until(end)
@@ -247,6 +248,15 @@ class EmulatedEngine(ContinuousBatch):
                     self._commit(plan)
                 elif plan.end <= self.now():
                     self._commit(plan)
+
+    def _bound_lag(self) -> None:
+        """With ``max_lag_s``: the time the loop lost beyond it is a pause of this engine's clock."""
+        max_lag = self.config.max_lag_s
+        if max_lag is None:
+            return
+        lag = self.now() - self._t
+        if lag > max_lag:
+            self._origin += (lag - max_lag) / self.config.time_scale
 
     async def _sleep_until(self, emulated: float | None) -> bool:
         """Sleep until the emulated time (True) or a poke (False)."""

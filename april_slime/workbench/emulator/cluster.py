@@ -11,7 +11,7 @@ from april_slime.core.transport import TransportHTTPError
 from .batching import EmulatedEngine
 from .config import EngineConfig
 from .model import SyntheticLM
-from .server import EngineHandler, Handler, HttpServer, RouterHandler, bind_socket
+from .server import EngineHandler, Handler, HttpServer, RouterHandler, bind_socket, wire_form
 
 LOCAL_ROUTER_URL = "http://emulator-router"
 
@@ -133,11 +133,19 @@ class LocalTransport:
     The handlers keep no reference to a payload and build every reply afresh, so no copy is
     needed; ``copy_payloads`` adds a JSON round trip each way (what HTTP does) to prove a caller's
     payloads serialise. URLs in ``unreachable`` fail like a refused connection (fault injection).
+
+    Replies come in SGLang's wire form (lists of token ids and ``[logprob, id, None]`` triples),
+    unless ``token_arrays``: then a generate reply keeps the engine's arrays (``LogprobArrays``,
+    which the client's reply checks read as they are), and no Python object is built per token
+    on the way. Both forms carry the same values, bit for bit.
     """
 
-    def __init__(self, cluster: EmulatorCluster, *, copy_payloads: bool = False):
+    def __init__(self, cluster: EmulatorCluster, *, copy_payloads: bool = False, token_arrays: bool = False):
+        if copy_payloads and token_arrays:
+            raise ValueError("copy_payloads sends replies through JSON, which has no token arrays")
         self.cluster = cluster
         self.copy_payloads = copy_payloads
+        self.token_arrays = token_arrays
         self.unreachable: set[str] = set()
 
     async def request(self, method: str, url: str, path: str, payload: dict | None,
@@ -149,6 +157,8 @@ class LocalTransport:
         if self.copy_payloads and payload is not None:
             payload = json.loads(json.dumps(payload))
         status, body = await asyncio.wait_for(handler.handle(method, path, payload), timeout_s)
+        if not self.token_arrays:
+            body = wire_form(body)
         if self.copy_payloads:
             body = json.loads(json.dumps(body))
         if not 200 <= status < 300:

@@ -88,6 +88,12 @@ class EngineConfig:
     abort_latency_s: float = 0.0
     max_macro_steps: int = 32  # decode steps advanced at once when nothing happens in between
     time_scale: float = 1.0  # emulated seconds per loop second (real clock); 1 under the virtual clock
+    # Real clock only. None: an engine whose loop fell behind its schedule (a starved process) runs
+    # its steps back to back until it has caught up, so its clients see the lost time as a burst of
+    # finished requests. A number: the engine falls at most this many emulated seconds behind and
+    # counts the rest as a pause of its own, as a separate engine process on the same starved
+    # machine would; tests use it so that a loaded machine does not change what the plugin sees.
+    max_lag_s: float | None = None
     timeline_max_points: int = 4096
 
     def __post_init__(self) -> None:
@@ -115,6 +121,8 @@ class EngineConfig:
             raise ValueError(f"max_macro_steps must be >= 1, got {self.max_macro_steps}")
         if not (self.time_scale > 0.0 and math.isfinite(self.time_scale)):
             raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
+        if self.max_lag_s is not None and not (self.max_lag_s >= 0.0 and math.isfinite(self.max_lag_s)):
+            raise ValueError(f"max_lag_s must be a finite value >= 0 or None, got {self.max_lag_s}")
         if self.timeline_max_points < 2:
             raise ValueError("timeline_max_points must be >= 2")
 

@@ -2,16 +2,18 @@
 
 Tokens are never materialised while running: a request records its generated count and the
 positions where its weight version changed, and its tokens are computed (vectorised) from
-``SyntheticLM`` when it replies.
+``SyntheticLM`` when it replies. The reply holds them as arrays (``LogprobArrays``); the transport
+that carries it turns them into SGLang's lists unless its client takes the arrays.
 """
 
 from __future__ import annotations
 
 import asyncio
-from itertools import repeat
 from typing import Any
 
 import numpy as np
+
+from april_slime.core.sglang_protocol import LogprobArrays
 
 from .model import SampleProfile, SyntheticLM
 
@@ -75,7 +77,6 @@ class _Request:
             finish = {"type": "length", "length": n}
         else:
             finish = {"type": "abort", "message": "Abort request."}
-        ids_list = ids.tolist()
         meta: dict[str, Any] = {
             "id": self.rid,
             "finish_reason": finish,
@@ -88,9 +89,12 @@ class _Request:
             # so tests can check a reply against the reference stream exactly.
             "emulator_version_runs": _runs_from_versions(versions),
         }
+        output_ids: Any = ids.tolist()
         if self.return_logprob:
-            meta["output_token_logprobs"] = list(map(list, zip(lps.tolist(), ids_list, repeat(None))))
-        return {"text": "", "output_ids": ids_list, "meta_info": meta}
+            # the tokens stay arrays until a transport needs the wire form (``server.wire_form``)
+            output_ids = ids
+            meta["output_token_logprobs"] = LogprobArrays(lps, ids)
+        return {"text": "", "output_ids": output_ids, "meta_info": meta}
 
 
 def _runs_from_versions(versions: np.ndarray) -> list[list[int]]:

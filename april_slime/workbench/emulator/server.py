@@ -16,7 +16,11 @@ import time
 import uuid
 from typing import Any, Awaitable, Callable, Protocol
 
+import numpy as np
+import orjson
 from aiohttp import web
+
+from april_slime.core.sglang_protocol import LogprobArrays, check_token_ids
 
 from .batching import AdmissionRefused, EmulatedEngine, EngineStopped
 
@@ -237,6 +241,17 @@ def sglang_generate_reply(reply: dict, return_logprob: bool, current_version: in
     return {"text": reply.get("text", ""), "output_ids": reply["output_ids"], "meta_info": out}
 
 
+def wire_form(body: Any) -> Any:
+    """``body`` as SGLang puts it on the wire: a generate reply's token arrays (``output_ids``,
+    ``LogprobArrays``) become lists and triples, in a copy; anything else is returned as it is."""
+    meta = body.get("meta_info") if isinstance(body, dict) else None
+    if not isinstance(meta, dict) or not isinstance(body.get("output_ids"), np.ndarray):
+        return body
+    triples = meta.get("output_token_logprobs")
+    meta = dict(meta, output_token_logprobs=triples.to_triples()) if isinstance(triples, LogprobArrays) else meta
+    return dict(body, output_ids=body["output_ids"].tolist(), meta_info=meta)
+
+
 def _check_number(params: dict, key: str) -> None:
     value = params.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -272,11 +287,14 @@ def parse_generate(payload: Any, vocab_size: int) -> dict[str, Any]:
         raise BadRequest("input_ids must be a list of token ids", schema=True)
     if not input_ids:
         raise BadRequest("input_ids cannot be empty.")
-    if not all(_is_int(t) for t in input_ids):
-        raise BadRequest("input_ids must hold integers only (batched input is not supported by the emulator)")
-    if min(input_ids) < 0 or max(input_ids) >= vocab_size:
-        # SGLang 0.5.23 does not check this: an id >= vocab size kills the engine's scheduler
-        raise BadRequest(f"input_ids must lie in [0, {vocab_size})")
+    try:
+        check_token_ids(input_ids, vocab_size, "input_ids")  # the client's check: in C, for long inputs
+    except ValueError:  # then the emulator's own rules, and SGLang's words
+        if not all(_is_int(t) for t in input_ids):
+            raise BadRequest("input_ids must hold integers only (batched input is not supported by the emulator)")
+        if min(input_ids) < 0 or max(input_ids) >= vocab_size:
+            # SGLang 0.5.23 does not check this: an id >= vocab size kills the engine's scheduler
+            raise BadRequest(f"input_ids must lie in [0, {vocab_size})")
     temperature = params.get("temperature", 1.0)
     if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
         raise BadRequest(f"temperature must be a non-negative finite number, got {temperature}.")
@@ -377,11 +395,20 @@ def make_app(handler: Handler) -> web.Application:
         status, body = await handler.handle(request.method, request.path, payload)
         if body is None:
             return web.Response(status=status)  # SGLang's empty replies (/abort_request, /health)
-        return web.json_response(body, status=status)
+        return web.Response(body=_encode_json(wire_form(body)), status=status, content_type="application/json")
 
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.router.add_route("*", "/{tail:.*}", endpoint)
     return app
+
+
+def _encode_json(body: Any) -> bytes:
+    """orjson, as SGLang encodes its replies (a 16K-token reply in a fraction of the standard
+    library's time); the standard library for what orjson does not take (numpy scalars in stats)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body).encode()
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from april_slime.training import offpolicy
-from april_slime.training.baseline import finish_opob_step, opob_policy_loss
+from april_slime.training.baseline import OpobAccumulator, OpobOptions, opob_policy_loss
 from april_slime.training.ess import EssLrScaler
 from april_slime.training.grad_norms import PerSampleGradNorms
 
@@ -308,8 +308,12 @@ class _Trainer:
         # rho_on defaults to the ESS ratio of the first step, which trains on the warm-start
         # policy's own samples (on-policy), as the paper estimates it.
         self.lr_scaler = EssLrScaler() if method.ess_lr_scaling else None
-        self.grad_norms = (PerSampleGradNorms(self.model, weighted=True)
-                           if method.optimal_baseline else None)
+        # one baseline per optimizer step, the paper's weights, summed trajectory loss (as measured
+        # in docs/evidence.md)
+        self.opob = (OpobAccumulator(PerSampleGradNorms(self.model, weighted=True), list(self.model.parameters()),
+                                     OpobOptions(scope="global", weights="paper", length_norm=False,
+                                                 high=settings.is_high))
+                     if method.optimal_baseline else None)
 
     def update(self, batch: RolloutBatch, step: int) -> dict[str, float]:
         """One rollout batch -> ``minibatches_per_step`` optimizer steps; returns step metrics."""
@@ -336,20 +340,20 @@ class _Trainer:
             tokens = slice(first * length, (first + rows_per_minibatch) * length)
             if self.lr_scaler is not None:
                 self.lr_scaler.begin_step()
-            if self.grad_norms is not None:
-                self.grad_norms.reset()
+            if self.opob is not None:
+                self.opob.begin_step()
             self.optimizer.zero_grad(set_to_none=True)
             logprobs = response_logprobs(model, batch.prompts[rows], batch.responses[rows],
                                          settings.temperature)
-            if self.grad_norms is not None:
+            if self.opob is not None:
                 loss = self._opob_loss(logprobs, batch, rows)
             else:
                 loss, clipped = self._clipped_loss(logprobs.reshape(-1), old_logprobs[tokens],
                                                    rollout_logprobs[tokens], advantages[rows])
                 clip_fractions.append(clipped)
             loss.backward()
-            if self.grad_norms is not None:
-                baselines.append(finish_opob_step(self.grad_norms, model.parameters()))
+            if self.opob is not None:
+                baselines.append(self.opob.finish())
             grad_norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
             if self.lr_scaler is not None:
                 with self.lr_scaler.scaled_lr(self.optimizer) as scale:
@@ -398,15 +402,14 @@ class _Trainer:
     def _opob_loss(self, logprobs: torch.Tensor, batch: RolloutBatch, rows: slice) -> torch.Tensor:
         """VCPO: sequence-level IS against the concatenated rollout log-probs (truncated at
         ``is_high``) with the off-policy optimal baseline applied after the backward
-        (``finish_opob_step``) from the exact per-sample gradient norms the hooks collect."""
+        (``OpobAccumulator.finish``) from the exact per-sample gradient norms the hooks collect."""
         n_rows, length = logprobs.shape
         # Every position of the model input (prompt and response) belongs to its row's sample.
         input_len = batch.prompts.shape[1] + length - 1
         segment_ids = torch.arange(n_rows)[:, None].expand(n_rows, input_len).reshape(-1)
         result = opob_policy_loss(
             list(logprobs), list(batch.behaviour_logprobs[rows]), [torch.ones(length)] * n_rows,
-            batch.rewards[rows], segment_ids, grad_norms=self.grad_norms,
-            correction="truncate", high=self.settings.is_high)
+            batch.rewards[rows], segment_ids, accumulator=self.opob, options=self.opob.options)
         if self.lr_scaler is not None:
             self.lr_scaler.observe(result.seq_log_ratios)
         self.truncated_fractions.append(float(result.truncated.mean()))

@@ -1,7 +1,9 @@
 """VCPO's per-sample norms and second buffer with Megatron's real tensor-parallel layers
 (VocabParallelEmbedding, ColumnParallelLinear, RowParallelLinear), TP 2 on gloo, with and
 without sequence parallelism, against one unsharded process computing every sample's gradient
-by its own backward."""
+by its own backward: the layer hooks on a packed micro-batch, and the norm a one-sample
+micro-batch reads off its gradient buffer (sequence-parallel replicated parameters summed over
+the TP group first)."""
 
 import socket
 
@@ -11,8 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from april_slime.training.baseline import opob_policy_loss
-from april_slime.training.grad_norms import PerSampleGradNorms
+from april_slime.training.baseline import OpobAccumulator, OpobOptions, opob_policy_loss
+from april_slime.training.grad_norms import PerSampleGradNorms, reduce_per_sample_sq_norms
 from april_slime.training.offpolicy import Packing
 
 pytestmark = pytest.mark.real
@@ -20,6 +22,8 @@ pytestmark = pytest.mark.real
 VOCAB, D, H = 16, 8, 12
 LENGTHS = [5, 3, 6, 2]  # 16 tokens: divisible by TP 2
 RESPONSE = [3, 2, 4, 1]
+SINGLE = [2, 3]  # samples run alone as well (even lengths: a sequence-parallel split needs them)
+PAPER = OpobOptions(scope="global", weights="paper", length_norm=False, high=2.0)
 
 
 def free_port():
@@ -152,23 +156,37 @@ def _worker(rank, world, sequence_parallel):
             model.down.weight.copy_(full["down"][:, rank * rows_h:(rank + 1) * rows_h])
             model.down.bias.copy_(full["down_b"])
             model.head.weight.copy_(full["head"][rank * rows_v:(rank + 1) * rows_v])
-        tracker = PerSampleGradNorms(model, weighted=True, tp_rank=rank, tp_size=world,
-                                     tp_group=parallel_state.get_tensor_model_parallel_group())
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        tracker = PerSampleGradNorms(model, weighted=True, tp_rank=rank, tp_size=world, tp_group=tp_group)
         tokens, rollout, rewards = batch()
         lps = response_log_probs(model(tokens), tokens)
         segments = Packing.from_lengths(LENGTHS).packed_segment_ids(sum(LENGTHS))
-        out = opob_policy_loss(lps, rollout, [torch.ones(r) for r in RESPONSE], rewards, segments,
-                               grad_norms=tracker, correction="truncate", high=2.0)
+        tracker.set_microbatch(segments, len(LENGTHS), rewards)
+        out = opob_policy_loss(lps, rollout, [torch.ones(r) for r in RESPONSE], rewards, segments, options=PAPER)
         out.loss.backward()
-    sums = torch.stack([tracker.num, tracker.den]).double()
-    dist.all_reduce(sums)
-    q = {name: tracker.weighted_grads[p].clone() for name, p in model.named_parameters()}
+        per_sample = reduce_per_sample_sq_norms(tracker.last_sq_norms.clone().double(), tp_group)
+        q = {name: tracker.weighted_grads[p].clone() for name, p in model.named_parameters()}
+
+        # the same samples' norms read off the gradient buffer, one sample per micro-batch
+        model.zero_grad(set_to_none=True)
+        acc = OpobAccumulator(tracker, list(model.parameters()), PAPER)
+        acc.begin_step()
+        starts = [sum(LENGTHS[:i]) for i in range(len(LENGTHS))]
+        for i in SINGLE:
+            own = tokens[starts[i]:starts[i] + LENGTHS[i]]
+            lp = torch.log_softmax(model(own), -1)
+            pos = torch.arange(LENGTHS[i] - RESPONSE[i] - 1, LENGTHS[i] - 1)
+            one = opob_policy_loss([lp[pos, own[pos + 1]]], [rollout[i]], [torch.ones(RESPONSE[i])], rewards[i:i + 1],
+                                   torch.zeros(LENGTHS[i], dtype=torch.long), accumulator=acc, options=PAPER)
+            one.loss.backward()
+        single_baseline = acc.finish()
+    sums = [float((rewards * per_sample).sum()), float(per_sample.sum()), single_baseline]
     # Megatron sums the gradients of sequence-parallel replicated parameters over the TP group
     for name in ("norm.weight", "norm.bias", "down.bias"):
         if sequence_parallel:
             dist.all_reduce(q[name])
     parallel_state.destroy_model_parallel()
-    return sums.tolist(), q
+    return sums, q
 
 
 @pytest.fixture(scope="module")
@@ -194,9 +212,11 @@ def sharded_results():
 def test_norms_and_second_buffer_match_unsharded_per_sample_gradients(sharded_results, mode):
     sq, q_ref = reference()
     rewards = batch()[2]
-    num, den = sharded_results[mode][0][0]
+    num, den, single_baseline = sharded_results[mode][0][0]
     assert den == pytest.approx(float(sq.sum()), rel=1e-5)
     assert num == pytest.approx(float((rewards * sq).sum()), rel=1e-5)
+    alone = torch.tensor(SINGLE)
+    assert single_baseline == pytest.approx(float((rewards[alone] * sq[alone]).sum() / sq[alone].sum()), rel=1e-5)
     rows_v, rows_h = VOCAB // 2, H // 2
     for rank, (_, q) in sharded_results[mode].items():
         torch.testing.assert_close(q["embed.weight"], q_ref["embed"][rank * rows_v:(rank + 1) * rows_v])

@@ -1,0 +1,162 @@
+"""The plugin against SGLang 0.5.15.post1, the SGLang of slime's own CUDA images at the pinned commit,
+served on CPU from the layer ``scripts/real-stack/setup.sh`` builds beside the shared one (its
+interpreter is named in ``.venv/sglang-0.5.15.post1-python``), behind the real sglang-router.
+
+The rest of the real tier runs on SGLang 0.5.23 (the session's ``real_stack``); this module starts
+one 0.5.15.post1 engine of its own for what differs there:
+
+* its replies carry ``meta_info.weight_version`` but never the per-token ``weight_versions`` spans
+  (0.5.15.post1 has no such field), and ``/get_weight_version`` is gone (404, ``/model_info``
+  answers): the client's fallback paths;
+* inside slime, under copris with weights pushed between steps: slime's sample contract, partials
+  aborted at target and resumed under other weights, and per-token versions by the fallback path
+  (every token of a call gets the reply's version), each token's log-prob equal to transformers'
+  under its recorded version.
+
+In-place weight updates inside a request (SGLang's ``pause_generation`` in place) are not run
+here: without spans no reply can say which tokens came before the update (see docs/real-stack.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from april_slime import rollout
+from april_slime.core.engine import EngineClient
+from april_slime.core.keys import TOKEN_VERSIONS_KEY
+from april_slime.workbench.localstack import local_stack
+from tests.support import ROOT
+from tests.support.real_tier import (
+    MAX_RUNNING_REQUESTS,
+    MAX_TOTAL_TOKENS,
+    RealStack,
+    SlimeRolloutManager,
+    check_slime_contract,
+    http_json,
+    plugin_args,
+    token_logprobs,
+)
+
+VERSION = "0.5.15.post1"
+TOLERANCE = 1e-4
+POINTER = ROOT / ".venv" / f"sglang-{VERSION}-python"
+
+
+def interpreter() -> str:
+    """The interpreter serving SGLang 0.5.15.post1; skips (fails in CI) saying how to build it."""
+    fix = "run `bash scripts/real-stack/setup.sh`, which builds it"
+    if not POINTER.exists():
+        pytest.skip(f"no SGLang {VERSION} layer ({POINTER} is missing); {fix}")
+    python = Path(POINTER.read_text(encoding="utf-8").strip())
+    if not python.exists():
+        pytest.skip(f"the SGLang {VERSION} interpreter {python} named in {POINTER} is gone; {fix}")
+    return str(python)
+
+
+@pytest.fixture(scope="module")
+def old_stack(real_stack, tmp_path_factory) -> RealStack:
+    python = interpreter()
+    logs = tmp_path_factory.mktemp("sglang-0515-logs")
+    with local_stack(real_stack.model_path, n_engines=1, max_running_requests=MAX_RUNNING_REQUESTS,
+                     max_total_tokens=MAX_TOTAL_TOKENS, log_dir=logs, python=python) as stack:
+        status, loads = http_json("GET", f"{stack.engine_urls[0]}/v1/loads")
+        assert status == 200 and loads["version"] == VERSION, loads
+        yield RealStack(stack, real_stack.model_path, real_stack.other_model_path)
+
+
+@pytest.fixture(scope="module")
+def hf_models(real_stack):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
+    return {"A": load(real_stack.model_path), "B": load(real_stack.other_model_path)}
+
+
+async def test_replies_and_control_paths_of_0515(old_stack):
+    """What the client reads from 0.5.15.post1: a reply with the version and no spans, a queued
+    abort, the weight version from /model_info after /get_weight_version's 404."""
+    url = old_stack.engine_urls[0]
+    status, raw = http_json("POST", f"{url}/generate", {
+        "input_ids": [11, 12, 13], "rid": "probe-0515", "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "no_stop_trim": True}})
+    assert status == 200 and "weight_versions" not in raw["meta_info"], json.dumps(raw["meta_info"])[:300]
+    assert http_json("GET", f"{url}/get_weight_version")[0] == 404
+    client = await EngineClient.from_router(old_stack.router_url, dispatch="auto")
+    try:
+        assert client.dispatch.mode == "direct" and client.engine_urls == [url]
+        assert await client.weight_version(url) == old_stack.weight_version()
+        result = await client.generate(url, [11, 12, 13], max_new_tokens=4, rid="probe-0515-b",
+                                       sampling_params={"temperature": 1.0}, sampling_seed=1)
+        assert result.version_runs == [[old_stack.weight_version(), len(result.output_ids)]]
+        await client.abort(url, abort_all=True)  # 200, whatever the body
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("dispatch", ["direct"])
+def test_rollout_contract_and_fallback_versions_on_0515(old_stack, hf_models, tmp_path, dispatch):
+    v0 = old_stack.weight_version()
+    # three steps at least, weights B and A pushed in turn; a fast engine can end every request of
+    # a step before its target aborts one with tokens, so steps go on (at most eight) until a
+    # sample was resumed across a weight push
+    weights_of = {v0 + k: "AB"[k % 2] for k in range(8)}
+    batch, n, max_len = 4, 2, 200
+    m = SlimeRolloutManager(plugin_args(old_stack, tmp_path, settings={
+        "april_policy": "copris", "april_concurrency": 16, "april_dispatch": dispatch},
+        batch=batch, n=n, max_len=max_len))
+    seen, mixed = set(), 0
+    old_stack.wait_idle()
+    try:
+        for step, version in enumerate(weights_of):
+            if step >= 3 and mixed:
+                break
+            if version != v0:
+                old_stack.wait_idle()  # SGLang refuses to flush its cache while a request is on the engine
+                old_stack.push_weights(old_stack.other_model_path if weights_of[version] == "B"
+                                       else old_stack.model_path, version)
+            samples, metrics, train = m.generate(step)
+            assert metrics["april/policy_version"] == version
+            check_slime_contract(samples, train, tokenizer=old_stack.tokenizer, batch=batch, n=n, max_len=max_len,
+                                 prompt_of=lambda s: s.prompt)
+            groups = {s.group_index for s in samples}
+            assert not groups & seen, "a prompt group trained twice"
+            seen |= groups
+            for s in samples:
+                versions = [v for v, c in s.train_metadata[TOKEN_VERSIONS_KEY] for _ in range(c)]
+                assert set(versions) <= set(weights_of) and max(versions) <= version
+                mixed += len(set(versions)) > 1
+                for v in set(versions):
+                    expected = token_logprobs(hf_models[weights_of[v]], s.tokens, s.response_length)
+                    for i, (got, want, tv) in enumerate(zip(s.rollout_log_probs, expected, versions)):
+                        if tv == v:
+                            assert abs(got - want) < TOLERANCE, f"sample {s.index} token {i} (version {v})"
+    finally:
+        rollout.shutdown()
+        old_stack.wait_idle()
+        old_stack.restore_weights()
+    assert mixed > 0, f"no sample was resumed across a weight push in {step + 1} steps; the abort-and-resume " \
+                      "path did not run"
+
+
+def test_recorded_0515_replies_match_the_live_engine(old_stack):
+    """tests/data/sglang-0.5.15.post1-golden.json (which tests/test_sglang_versions.py holds the
+    client to) still describes the live 0.5.15.post1 engine, scenario by scenario."""
+    import asyncio
+
+    from april_slime.workbench.emulator.testing import golden_differences, golden_replies
+
+    recorded = json.loads((ROOT / "tests" / "data" / f"sglang-{VERSION}-golden.json").read_text())
+    assert recorded["sglang_version"] == VERSION
+    start = old_stack.weight_version()
+    try:
+        live = asyncio.run(golden_replies(old_stack.engine_urls[0], max_running_requests=MAX_RUNNING_REQUESTS,
+                                          new_weights_path=str(old_stack.other_model_path), weight_version=start))
+    finally:
+        old_stack.wait_idle()
+        old_stack.restore_weights()
+    assert golden_differences(live, recorded["scenarios"]) == []

@@ -1,0 +1,101 @@
+"""A reply's output tokens: the whole-list checks against the item-by-item reference, the ids a
+request sends, and the JSON decoding of reply bodies.
+
+The whole-list checks may only ever be faster: on every reply below, well formed or broken in one
+way, they return exactly what the reference returns (the same lists, the same types, the same bits)
+or raise exactly its error.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+
+import numpy as np
+import pytest
+
+from april_slime.core.sglang_protocol import (
+    EngineReplyError,
+    _checked_lists,
+    _checked_one_by_one,
+    check_token_ids,
+    output_tokens,
+)
+from april_slime.core.transport import decode_json
+from april_slime.workbench.bench import decode
+from tests.support.reply_tokens import MUTATIONS, VOCAB, WHERE, base_reply, mutated, outcome
+
+
+@pytest.mark.parametrize("output_ids", ["sent", "left out"])
+@pytest.mark.parametrize("vocab", [VOCAB, None])
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_whole_list_checks_return_what_the_reference_returns(name, vocab, output_ids):
+    ids, triples = mutated(name)
+    if output_ids == "left out":
+        ids = None  # the ids come from the triples alone
+    expected = outcome(_checked_one_by_one, copy.deepcopy(ids), copy.deepcopy(triples), vocab, WHERE)
+    assert outcome(output_tokens, ids, triples, vocab, WHERE) == expected
+    fast = _checked_lists(ids, triples, vocab)
+    if fast is not None:  # what the fast path vouches for, the reference accepts, with the same lists
+        assert outcome(lambda: fast) == expected
+    # the usual reply never reaches the reference (else the fast path would be dead code)
+    if name in ("well formed", "log-prob 0.0 and -0.0", "output_ids absent", "no tokens"):
+        assert fast is not None
+    if name == "token id beyond int64" and vocab is None:
+        assert expected[0] == "ok"  # any integer >= 0 is a token id of an unknown vocabulary
+
+
+# ---------------------------------------------------------------------------------- token ids sent
+@pytest.mark.parametrize("ids", [
+    [1, 2, 3], [0, VOCAB - 1], [5, True], [5, 2.0], [5, np.int64(2)], [5, -1], [5, VOCAB], [2 ** 70], [-(2 ** 70)],
+    (4, 5), [], [7] * 5000 + ["7"],
+])
+@pytest.mark.parametrize("vocab", [VOCAB, None])
+def test_check_token_ids_keeps_its_rule(ids, vocab):
+    """Every id an exact int in [0, vocab) (>= 0 for an unknown vocabulary); the first bad one named."""
+    bad = next((pos for pos, t in enumerate(ids)
+                if type(t) is not int or t < 0 or (vocab is not None and t >= vocab)), None)
+    if bad is None:
+        check_token_ids(ids, vocab, "input_ids")
+    else:
+        with pytest.raises(ValueError, match=re.escape(f"input_ids: token id {ids[bad]!r} at position {bad} is not")):
+            check_token_ids(ids, vocab, "input_ids")
+
+
+# ---------------------------------------------------------------------------------- reply bodies
+@pytest.mark.parametrize("body", [
+    b'{"a": [1, 2.5, null, true, "x\\u00e9"], "b": {"c": -0.0}, "u64": 18446744073709551615}',
+    b'[[NaN, 5, null], [-Infinity, 6, null], [Infinity, 7, null], [-1e400, 8, null]]',  # Python's json writes these
+    b'{"text": "\\ud800 lone surrogate"}',
+])
+def test_reply_bodies_decode_as_the_standard_library_decodes_them(body):
+    got, expected = decode_json(body), json.loads(body)
+    assert json.dumps(got, sort_keys=True) == json.dumps(expected, sort_keys=True)
+
+
+def test_an_integer_beyond_64_bits_is_refused_where_an_integer_is_wanted():
+    ids, triples = base_reply()
+    triples[1][1] = ids[1] = 2 ** 70
+    body = json.dumps({"output_ids": ids, "meta_info": {"output_token_logprobs": triples}}).encode()
+    reply = decode_json(body)
+    assert type(reply["output_ids"][1]) is float  # orjson's reading of it
+    with pytest.raises(EngineReplyError, match=re.escape(f"token id at position 1 is {float(2 ** 70)}")):
+        output_tokens(reply["output_ids"], reply["meta_info"]["output_token_logprobs"], None, WHERE)
+
+
+@pytest.mark.parametrize("body", [b"<html>gateway</html>", b'{"a": 1', b"\xff\xfe{}"])
+def test_a_body_that_is_not_json_raises_value_error(body):
+    with pytest.raises(ValueError):
+        decode_json(body)
+
+
+def test_the_decode_benchmark_runs_and_reports_its_ratios(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    assert decode.main(["--tokens", "512", "--rounds", "3", "--calls", "1", "--json", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert "client: decode_json + parse_generate_reply" in report and "time / orjson.loads" in report
+    figures = json.loads(out.read_text())
+    assert figures["tokens"] == 512 and set(figures["paths"]) == {"orjson.loads", "client", "reference"}
+    assert figures["paths"]["orjson.loads"]["ratio_median"] == 1.0
+    assert all(p["tokens_per_s_median"] > 0 for p in figures["paths"].values())
