@@ -61,3 +61,9 @@ def test_bad_blocks_are_named():
         render("no-such-table", ["docs/bench_reproduce.json"], str(ROOT))
     with pytest.raises(ValueError, match="has no"):
         docs_report.blocks("<!-- bench-report headline docs/bench_headline.json -->\nno end\n")
+
+
+def test_an_empty_block_is_found_empty():
+    text = "x\n<!-- bench-report headline docs/bench_headline.json -->\n<!-- /bench-report -->\ny\n"
+    [(kind, paths, start, end)] = docs_report.blocks(text)
+    assert kind == "headline" and paths == ["docs/bench_headline.json"] and start == end

@@ -22,7 +22,8 @@ import re
 import sys
 from typing import Any, Callable
 
-BEGIN = re.compile(r"<!-- bench-report (?P<kind>[a-z-]+)(?P<paths>(?: [^ ]+)+) -->\n")
+# A path holds no white space, so a marker never reaches past its own line (an empty block's end included).
+BEGIN = re.compile(r"<!-- bench-report (?P<kind>[a-z-]+)(?P<paths>(?: \S+)+) -->\n")
 END = "<!-- /bench-report -->"
 DOCUMENTS = ("README.md", "docs/bench.md")
 WITHIN = 0.10  # the "within +-10%" of the reproduce summary
