@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = {
     "README.md": {"headline", "reproduce-summary", "multi-turn"},
     "docs/bench.md": {"headline", "reproduce-table", "reproduce-statistics", "reproduce-absolute", "fit",
-                      "context-sweep", "multi-turn", "cpu-engine"},
+                      "multi-turn", "cpu-engine"},
 }
 
 
