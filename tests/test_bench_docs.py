@@ -17,9 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Which blocks each document must carry: removing one is as wrong as editing it.
 REQUIRED = {
-    "README.md": {"headline", "reproduce-summary"},
-    "docs/bench.md": {"headline", "reproduce-table", "reproduce-statistics", "reproduce-absolute", "fit",
-                      "cpu-engine"},
+    "README.md": {"headline"},
+    "docs/bench.md": {"headline", "fit", "cpu-engine"},
 }
 
 
@@ -34,18 +33,18 @@ def test_documents_match_their_json(document):
 
 def test_a_changed_figure_or_json_is_caught(tmp_path):
     shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("*.png"))
-    doc = "# x\n<!-- bench-report reproduce-table docs/bench_reproduce.json -->\nstale\n<!-- /bench-report -->\n"
+    doc = "# x\n<!-- bench-report headline docs/bench_headline.json -->\nstale\n<!-- /bench-report -->\n"
     text = update(doc, str(tmp_path))
     assert check(text, str(tmp_path)) == [] and "stale" not in text
     # a hand-edited figure
-    first = json.loads((tmp_path / "docs/bench_reproduce.json").read_text())["rows"][0]
-    typed = text.replace(f"{first['emulated']:.2f}x", f"{first['emulated'] + 0.01:.2f}x", 1)
-    assert typed != text and check(typed, str(tmp_path)) == ["reproduce-table docs/bench_reproduce.json"]
+    copris = json.loads((tmp_path / "docs/bench_headline.json").read_text())["band"]["policies"]["copris"]
+    typed = text.replace(f"**{copris['ratio_to_sync']:.2f}x**", f"**{copris['ratio_to_sync'] + 0.01:.2f}x**", 1)
+    assert typed != text and check(typed, str(tmp_path)) == ["headline docs/bench_headline.json"]
     # a JSON rerun without its document
-    data = json.loads((tmp_path / "docs/bench_reproduce.json").read_text())
-    data["rows"][-1]["difference"] = 0.5
-    (tmp_path / "docs/bench_reproduce.json").write_text(json.dumps(data))
-    assert check(text, str(tmp_path)) == ["reproduce-table docs/bench_reproduce.json"]
+    data = json.loads((tmp_path / "docs/bench_headline.json").read_text())
+    data["band"]["policies"]["copris"]["ratio_to_sync_max"] = 3.0
+    (tmp_path / "docs/bench_headline.json").write_text(json.dumps(data))
+    assert check(text, str(tmp_path)) == ["headline docs/bench_headline.json"]
 
 
 def test_reproduce_counts_are_computed():
@@ -58,7 +57,7 @@ def test_reproduce_counts_are_computed():
 
 def test_bad_blocks_are_named():
     with pytest.raises(ValueError, match="unknown"):
-        render("no-such-table", ["docs/bench_reproduce.json"], str(ROOT))
+        render("no-such-table", ["docs/bench_headline.json"], str(ROOT))
     with pytest.raises(ValueError, match="has no"):
         docs_report.blocks("<!-- bench-report headline docs/bench_headline.json -->\nno end\n")
 
