@@ -30,6 +30,7 @@ import pytest
 
 from april_slime import rollout
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
+from april_slime.generate_functions import GenerateFunctions
 from tests.support import tag_policy
 from tests.support.real_tier import SlimeRolloutManager, check_multi_turn_contract, plugin_args, token_logprobs
 from tests.support.slime_examples import RetrievalStub, extract_examples, forget_examples, import_examples, mask_runs
@@ -113,14 +114,17 @@ class Function:
     def prompt_ids(self, s) -> list[int]:
         return self.tokenizer(self.prompt_text(s), add_special_tokens=False)["input_ids"]
 
-    def engine_context(self, s, segments, turn: int) -> list[int]:
+    def engine_context(self, s, segments, turn: int, tokenized: set[tuple[int, ...]]) -> list[int]:
         """The input ids of the model call that made model segment ``turn``: retool sends its
-        token ids; search-r1 sends prompt and response as text, the output of each call as the
-        plugin's reply decoded it, which the engine's side tokenizes again."""
+        token ids; search-r1 sends prompt and response as text, which the plugin tokenizes as
+        SGLang does (``tokenized``: every text's ids). Where the text's ids are the sample's own,
+        the engine was given those; else it was given what the conversation's text tokenizes to:
+        the prompt, the output of each call as the plugin's reply decoded it, the observations."""
         prompt_len = len(s.tokens) - s.response_length
         start = segments[turn][1]
-        if self.name == RETOOL:
-            return s.tokens[:prompt_len + start]
+        own = s.tokens[:prompt_len + start]
+        if self.name == RETOOL or tuple(own) in tokenized:
+            return own
         response = s.tokens[prompt_len:]
         text = "".join(self.tokenizer.decode(response[a:b], skip_special_tokens=bool(keep))
                        for keep, a, b in segments if a < start)
@@ -147,7 +151,20 @@ class Function:
         return same(self.invalid_observation), False
 
 
-def check_episode(fn: Function, s, models: dict[int, object], seen: dict) -> None:
+def diagnosis(s, models: dict[int, object], context: list[int], own: bool, a: int, b: int,
+              k: int) -> str:
+    """What a mismatched log-prob is: its value under every version's weights, in the context the
+    engine was given and in the sample's own, and the sample's version runs and call versions."""
+    prompt_len = len(s.tokens) - s.response_length
+    response = s.tokens[prompt_len:]
+    given = {v: token_logprobs(m, context + response[a:b], b - a)[k] for v, m in models.items()}
+    sample = {v: token_logprobs(m, s.tokens[:prompt_len + a] + response[a:b], b - a)[k] for v, m in models.items()}
+    return (f"rollout {s.rollout_log_probs[a + k]}, in the engine's context {given}, in the sample's own "
+            f"{sample} (same context: {own}); segment {a}:{b}, runs {s.train_metadata[TOKEN_VERSIONS_KEY]}, "
+            f"calls {s.weight_versions}")
+
+
+def check_episode(fn: Function, s, models: dict[int, object], seen: dict, tokenized: set[tuple[int, ...]]) -> None:
     """One trained sample: observations, stops, exact log-probs and versions per model turn."""
     prompt_len = len(s.tokens) - s.response_length
     response = s.tokens[prompt_len:]
@@ -171,7 +188,7 @@ def check_episode(fn: Function, s, models: dict[int, object], seen: dict) -> Non
             at = text.find(stop)
             assert at < 0 or at + len(stop) == len(text), f"sample {s.index}: turn {text!r} runs past {stop!r}"
             seen["resumed_turns_stopped"] += at >= 0 and len(turn_versions) > 1
-        context = fn.engine_context(s, segments, turn)
+        context = fn.engine_context(s, segments, turn, tokenized)
         own = context == s.tokens[:prompt_len + a]
         seen["retokenized_turns"] += not own
         for v in turn_versions:
@@ -179,14 +196,24 @@ def check_episode(fn: Function, s, models: dict[int, object], seen: dict) -> Non
             for k, (got, want) in enumerate(zip(s.rollout_log_probs[a:b], expected)):
                 if versions[a + k] == v:
                     assert abs(got - want) < TOLERANCE, (
-                        f"sample {s.index} token {a + k} (version {v}): rollout {got} vs transformers {want}")
+                        f"sample {s.index} token {a + k} (version {v}): rollout {got} vs transformers {want}; "
+                        + diagnosis(s, models, context, own, a, b, k))
 
 
 @pytest.mark.parametrize("policy", ["april", "copris"])
 @pytest.mark.parametrize("name", [SEARCH, RETOOL])
 def test_slime_example_function_on_real_engines(real_stack, examples, retrieval, tag_weights, hf_models, tmp_path,
-                                                name, policy):
+                                                monkeypatch, name, policy):
     fn = Function(name, examples[name], real_stack.tokenizer, tmp_path)
+    tokenized: set[tuple[int, ...]] = set()  # the ids of every text a call sent, as the plugin tokenized it
+    tokenize = GenerateFunctions.tokenize
+
+    def recording(self, text: str) -> list[int]:
+        ids = tokenize(self, text)
+        tokenized.add(tuple(ids))
+        return ids
+
+    monkeypatch.setattr(GenerateFunctions, "tokenize", recording)
     weights = [str(tag_weights[k % 2]) for k in range(MAX_STEPS)]
     v0 = real_stack.weight_version() + 1
     version_of = {k: v0 + k for k in range(MAX_STEPS)}
@@ -228,7 +255,7 @@ def test_slime_example_function_on_real_engines(real_stack, examples, retrieval,
                 assert s.index not in indices, f"step {step}: sample {s.index} trained twice"
                 indices.add(s.index)
                 assert max(v for v, _ in s.train_metadata[TOKEN_VERSIONS_KEY]) <= version_of[step]
-                check_episode(fn, s, models, seen)
+                check_episode(fn, s, models, seen, tokenized)
             trained += [s.group_index for s in samples[::2]]
             if step > RESTART_AFTER:
                 seen["restarted"] += metrics["april/episodes/restarted"]
