@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Which blocks each document must carry: removing one is as wrong as editing it.
 REQUIRED = {
-    "README.md": {"headline"},
-    "docs/bench.md": {"headline", "fit", "cpu-engine"},
+    "README.md": {"headline", "reproduce-summary"},
+    "docs/bench.md": {"headline", "reproduce-table", "reproduce-statistics", "reproduce-absolute", "fit",
+                      "cpu-engine"},
 }
 
 
