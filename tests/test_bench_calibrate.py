@@ -66,3 +66,45 @@ def test_engine_spec_json_rejects_unknown_keys(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="spec.json"):
         EngineSpec.load(str(path))
+
+
+def test_default_grid_reaches_the_bench_regime():
+    from april_slime.workbench.bench import ENGINE_PRESETS
+    from april_slime.workbench.bench.calibrate import plan_grid
+
+    preset = ENGINE_PRESETS["h100-qwen3-4b"]  # the headline: ~250 requests, ~0.7M KV tokens per engine
+    points = plan_grid(None, None, capacity=preset.kv_capacity(), max_running=1024, context_len=40960,
+                       decode_tokens=16)
+    assert max(b for b, _ in points) == 256
+    assert max(b * (c + 16) for b, c in points) >= 0.75 * preset.kv_capacity()
+    assert all(b * (c + 16) <= 0.9 * preset.kv_capacity() for b, c in points)
+    # a small engine: the running limit and the context bound the grid, nothing overflows the pool
+    small = plan_grid(None, None, capacity=32768, max_running=16, context_len=4096, decode_tokens=12)
+    assert {b for b, _ in small} == {1, 4, 16} and max(c + 8 * 12 for _, c in small) <= 4096 - 2
+    assert all(b * (c + 8 * 12) <= 0.9 * 32768 for b, c in small)
+
+
+def test_spec_counts_every_gpu_of_an_engine():
+    m = {"engine_url": "http://x", "num_engines": 4, "model_path": None, "decode_t0": 0.005,
+         "decode_per_request": 1e-5, "decode_per_kv_token": 1e-8, "prefill_t0": 0.01, "prefill_per_token": 1e-5,
+         "prefill_per_token_pair": 0.0, "kv_capacity_tokens": 700_000, "abort_latency_s": 0.02,
+         "max_running_requests": 1024, "gpus_per_engine": 2}
+    spec = EngineSpec.from_dict(json.loads(json.dumps(engine_spec(m, "h100-qwen3-4b"))))
+    assert spec.gpus_per_engine == 2 and spec.num_gpus == 8  # a 4 x TP2 node trains on 8 GPUs
+    assert EngineSpec.from_dict(engine_spec(m, "h100-qwen3-4b", gpus_per_engine=4)).num_gpus == 16
+    unknown = dict(m, gpus_per_engine=None)  # an engine that does not say: the base preset's layout
+    assert EngineSpec.from_dict(engine_spec(unknown, "a800-r1-distill-1.5b-vllm")).gpus_per_engine == 1
+    assert EngineSpec.from_dict(engine_spec(unknown, "h100-qwen3-4b")).gpus_per_engine == 2
+
+
+def test_fit_report_states_the_extrapolation_error():
+    from april_slime.workbench.bench.calibrate import fit_report
+
+    rows = [[1.0, b, k] for b, k in [(1, 100), (4, 2000), (16, 8000), (64, 40000), (256, 600000)]]
+    linear = [0.003 + 2e-6 * b + 1e-8 * k for _, b, k in rows]
+    exact = fit_report(rows, linear)
+    assert exact["max_relative_error"] < 1e-9 and exact["extrapolation_relative_error"] < 1e-9
+    assert exact["extrapolated_point"] == 600000
+    # a step law that bends at large batches (compute-bound): the left-out point says by how much
+    bent = [t + (0.004 if b >= 256 else 0.0) for t, (_, b, _) in zip(linear, rows)]
+    assert fit_report(rows, bent)["extrapolation_relative_error"] > 0.2

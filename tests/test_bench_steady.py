@@ -9,7 +9,9 @@ import pytest
 
 from april_slime.workbench.bench import ENGINE_PRESETS, Workload
 from april_slime.workbench.bench.band import Variant, headline_variants, length_spec, run_band
-from april_slime.workbench.bench.reproduce import Row, Run, _published, format_rows, reproduce, rows
+from april_slime.workbench.bench.fit import FITS
+from april_slime.workbench.bench.laws import MEDIAN_INTERVALS, statistics
+from april_slime.workbench.bench.reproduce import Row, Run, format_rows, published, reproduce, rows
 from april_slime.workbench.bench.runner import StepRecord, detect_warmup
 
 
@@ -62,25 +64,46 @@ def test_band_spans_the_variants_and_keeps_ratios_within_each():
 
 def test_headline_variants_change_only_what_they_name():
     w = Workload(name="dapo16k")
-    variants = headline_variants(w, ENGINE_PRESETS["h100-qwen3-4b"])
-    assert [v.seed for v in variants[:3]] == [0, 1, 2] and len(variants) == 7
-    heavy = next(v for v in variants if v.name == "heavy tail")
-    hw, hs = heavy.apply(w, ENGINE_PRESETS["h100-qwen3-4b"])
-    lm, base = hw.length_model(), w.length_model()
-    assert lm.truncation_fraction == pytest.approx(2 * base.truncation_fraction)
-    assert lm.median_tokens == base.median_tokens and hs == ENGINE_PRESETS["h100-qwen3-4b"]
+    spec = ENGINE_PRESETS["h100-qwen3-4b"]
+    variants = {v.name.split(" (")[0]: v for v in headline_variants(w, spec)}
+    assert [v.seed for v in list(variants.values())[:3]] == [0, 1, 2] and len(variants) == 9
+    base = w.length_model()
+    # the fitted median's interval: the median moves, the tail and the group spread follow so the
+    # law stays on the family it was fitted on (APRIL's batch spread, groups within 1,500)
+    sigma = statistics(w.length)["sigma_batch"]
+    for name, median in zip(("short median", "long median"), MEDIAN_INTERVALS[w.length]):
+        vw, vs = variants[name].apply(w, spec)
+        lm = vw.length_model()
+        assert lm.median_tokens == pytest.approx(median) and vs == spec
+        assert replace(lm, median_tokens=base.median_tokens, prompt_sigma=base.prompt_sigma, shape=base.shape) == base
+        assert statistics(vw.length)["sigma_batch"] == pytest.approx(sigma, rel=0.01)
+        assert statistics(vw.length)["sigma_group"] <= 1500 * 1.01
+    heavy_w, heavy_s = variants["heavy training"].apply(w, spec)
+    assert heavy_w.length_model() == base
+    assert heavy_s.train_time(10**6) == pytest.approx(1.5 * spec.train_time(10**6))
+    light_s = variants["light training"].apply(w, spec)[1]
+    assert light_s.train_time(10**6) == pytest.approx(0.5 * spec.train_time(10**6))
     assert Workload(name="x", length=length_spec(base)).length_model() == base
+    # a law with a median of its own (the multi-turn per-turn law) has no fitted interval to span
+    turn = Workload(name="t", length="dapo-math-qwen3-4b-16k:median_tokens=1000")
+    assert not [v for v in headline_variants(turn, spec) if "median" in v.name]
 
 
 def test_reproduce_rows_cover_every_published_figure_with_its_source():
     table = rows()
-    published = _published()
-    assert {r.name for r in table} == set(published)
+    pub = {r["name"]: r for r in published()["rows"]}
+    assert {r.name for r in table} == set(pub)
     for r in table:
-        assert r.published == published[r.name]["published"] > 1.0
+        assert r.published == pub[r.name]["published"] > 1.0
         assert r.source and r.role in ("fit", "held-out")
         assert r.numerator.preset in ENGINE_PRESETS and r.denominator.preset in ENGINE_PRESETS
-    assert sum(r.role == "fit" for r in table) == 3  # one per length law
+        assert (r.published_s is not None) == ("published_s_per_step" in pub[r.name])
+    # one fit row per length law, each the row its law is fitted on
+    fit_rows = {r.name for r in table if r.role == "fit"}
+    assert fit_rows == {f.row for f in FITS} and len(fit_rows) == 4
+    # veRL's baseline splits the batch per engine; slime's (APRIL) and the agent loop's do not
+    assert {r.denominator.policy for r in table if r.name.startswith("CoPRIS tab. 1")} == {"sync-split"}
+    assert {r.denominator.policy for r in table if "GRPO" in r.name} == {"sync"}
 
 
 def test_reproduce_fills_published_vs_emulated_and_shares_runs():

@@ -458,12 +458,12 @@ def test_default_length_model_correlates_samples_of_a_prompt():
     within = lengths.var(axis=1).mean()
     assert between > 3 * within
     assert 500 < np.median(lengths) < 4000 and lengths.max() == 16384  # long tail into the budget
-    # DAPO-Math as APRIL §3.2 describes it: median of a few thousand tokens (the bench's fitted
-    # "dapo-math-qwen3-4b-16k" law is longer; docs/bench.md says why).
-    dapo = SyntheticLM(seed=11, length=LengthModel.preset("dapo-math-as-described"))
-    dapo_lengths = [dapo.response_length([p, 3, 5, 7] + [1] * 150, 0, 16384) for p in range(200)]
-    assert 1500 < np.median(dapo_lengths) < 6000
-    assert np.mean(np.array(dapo_lengths) == 16384) > 0.01
+    # The bench's DAPO-Math law (fitted with its tail on APRIL's statistics, tests/test_bench_model.py):
+    # most samples stop inside the 16K budget, a tail runs into it.
+    dapo = SyntheticLM(seed=11, length=LengthModel.preset("dapo-math-qwen3-4b-16k"))
+    dapo_lengths = np.array([dapo.response_length([p, 3, 5, 7] + [1] * 150, 0, 16384) for p in range(200)])
+    assert 1500 < np.median(dapo_lengths) < 12000
+    assert 0.01 < np.mean(dapo_lengths == 16384) < 0.5
 
 
 def test_length_model_validation_and_parse():
@@ -476,7 +476,8 @@ def test_length_model_validation_and_parse():
     with pytest.raises(ValueError):
         TimeModel(decode_t0=float("nan"))
     parsed = LengthModel.parse("dapo-math-qwen3-4b-16k:median_tokens=2000,truncation_fraction=0.1")
-    assert parsed.median_tokens == 2000 and parsed.truncation_fraction == 0.1 and parsed.shape == 3.5
+    assert parsed.median_tokens == 2000 and parsed.truncation_fraction == 0.1
+    assert parsed.shape == LengthModel.preset("dapo-math-qwen3-4b-16k").shape
     with pytest.raises(ValueError):
         LengthModel.parse("default:bogus=1")
 

@@ -1,12 +1,15 @@
 """The headline's band: the same workload over seeds and over the inputs we are least sure of.
 
-A ratio from one run of one seed says little: the response-length tail decides how long sync
-waits, and the per-step overhead (weight sync, offload, reward) dilutes every rollout gain.
-``headline_variants`` spans three seeds at the nominal inputs, a lighter and a heavier length tail
-and a lower and a higher per-step overhead; ``run_band`` runs every (variant, policy) pair in its
-own process (each on a fresh emulated cluster, as ``run_benchmark`` does) and reports, per policy,
-the nominal steps/h with the min-max over the variants, and the same for the ratio to sync, where
-each variant's ratio is measured within that variant (same seed, same inputs for both policies).
+A ratio from one run of one seed says little: the response-length law decides how long sync
+waits, and the training phase dilutes every rollout gain. ``headline_variants`` spans three seeds
+at the nominal inputs; the length law's median at both ends of its fitted interval (the medians at
+which the law's fit row stays within 5% of the published ratio, ``laws.MEDIAN_INTERVALS``; the
+tail re-solved so the batch's spread stays APRIL's); the training phase half and one and a half
+times as costly; and the engine's per-decode-step overhead halved and doubled. ``run_band`` runs
+every (variant, policy) pair in its own process (each on a fresh emulated cluster, as
+``run_benchmark`` does) and reports, per policy, the nominal steps/h with the min-max over the
+variants, and the same for the ratio to sync, where each variant's ratio is measured within that
+variant (same seed, same inputs for both policies).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any
 
 from april_slime.workbench.emulator import LengthModel
 
+from .laws import MEDIAN_INTERVALS, length_spec
+from .reproduce import april_family
 from .runner import run_benchmark, run_jobs
 from .spec import EngineSpec
 from .workloads import Workload
@@ -36,34 +41,36 @@ class Variant:
         return w, replace(spec, **self.spec)
 
 
-def length_spec(model: LengthModel) -> str:
-    """A ``Workload.length`` string that parses back to exactly ``model``."""
-    values = asdict(model)
-    kind = values.pop("kind")
-    if kind == "max-length":
-        return "max-length"
-    return "default:" + ",".join(f"{k}={v!r}" for k, v in values.items())
+def median_variants(workload: Workload) -> list[Variant]:
+    """The law's median at both ends of its fitted interval, on the family it was fitted on (its
+    tail and group spread re-solved for APRIL's statistics); none for a law without an interval."""
+    if workload.length not in MEDIAN_INTERVALS:  # a law of its own (a median of its own): no fit to span
+        return []
+    out = []
+    for label, median in zip(("short median", "long median"), MEDIAN_INTERVALS[workload.length]):
+        model = LengthModel.parse(april_family(workload.length, median))
+        out.append(Variant(f"{label} ({median:,.0f})", 0, {"median_tokens": model.median_tokens,
+                                                            "prompt_sigma": model.prompt_sigma,
+                                                            "shape": model.shape}))
+    return out
 
 
 def headline_variants(workload: Workload, spec: EngineSpec | None = None) -> list[Variant]:
-    """Seeds 0-2; the length tail lighter/heavier (half/double the never-stopping fraction and
-    the spread across prompts -/+ 0.15); per-step overhead halved/doubled (the training phase's
-    fixed part and the engine's per-decode-step overhead)."""
-    lm = workload.length_model()
-    base_fixed = (spec.train_fixed_s if spec is not None else 8.0)
-    base_step = (spec.step_overhead_s if spec is not None else 1e-3)
+    """Seeds 0-2; the median at the ends of its fitted interval; the training phase x0.5 / x1.5
+    (its MFUs x2 / x2/3); the per-decode-step overhead halved / doubled."""
+    spec = spec or EngineSpec.from_dict({"base_preset": workload.preset})
+    train, logprob = spec.train_mfu, spec.logprob_mfu if spec.logprob_mfu is not None else spec.train_mfu
     return [
         Variant("seed 0 (nominal)", 0),
         Variant("seed 1", 1),
         Variant("seed 2", 2),
-        Variant("light tail", 0, {"truncation_fraction": lm.truncation_fraction / 2,
-                                  "prompt_sigma": max(0.0, lm.prompt_sigma - 0.15)}),
-        Variant("heavy tail", 0, {"truncation_fraction": min(1.0, lm.truncation_fraction * 2),
-                                  "prompt_sigma": lm.prompt_sigma + 0.15}),
-        Variant("low overhead", 0, spec={"train_fixed_s": base_fixed / 2,
-                                         "step_overhead_s": base_step / 2}),
-        Variant("high overhead", 0, spec={"train_fixed_s": base_fixed * 2,
-                                          "step_overhead_s": base_step * 2}),
+        *median_variants(workload),
+        Variant("light training", 0, spec={"train_mfu": min(1.0, 2 * train), "logprob_mfu": min(1.0, 2 * logprob),
+                                           "train_fixed_s": spec.train_fixed_s / 2}),
+        Variant("heavy training", 0, spec={"train_mfu": train / 1.5, "logprob_mfu": logprob / 1.5,
+                                           "train_fixed_s": spec.train_fixed_s * 1.5}),
+        Variant("low overhead", 0, spec={"step_overhead_s": spec.step_overhead_s / 2}),
+        Variant("high overhead", 0, spec={"step_overhead_s": spec.step_overhead_s * 2}),
     ]
 
 

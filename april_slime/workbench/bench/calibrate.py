@@ -2,26 +2,35 @@
 
 What it measures, on one engine (a router's first worker, from ``GET /workers``):
 
-* decode step time over a batch x context grid: a batch of ``B`` requests of ``C`` prompt tokens
-  generating ``M`` tokens (``ignore_eos``) against the same batch generating ``M / 3``; the
-  difference is ``2 M / 3`` decode steps of the whole batch holding ``B (C + m)`` KV tokens (the
-  staggered admission at the start cancels out). A least-squares fit gives ``decode_t0 +
-  decode_per_request B + decode_per_kv_token K``;
+* decode step time over a batch x context grid that reaches the regime the bench runs in: by
+  default batches 1 to 256 (within the engine's running-request limit) and, per batch, contexts of
+  64 and 1,024 tokens and one that fills 80% of the KV pool (``plan_grid``). A point is a batch of
+  ``B`` requests of ``C`` prompt tokens generating ``M`` tokens (``ignore_eos``) against the same
+  batch generating ``M / 3``; the difference is ``2 M / 3`` decode steps of the whole batch holding
+  ``B (C + m)`` KV tokens (the staggered admission at the start cancels out). A least-squares fit
+  gives ``decode_t0 + decode_per_request B + decode_per_kv_token K``; the spec records the fit's
+  worst relative error on the grid and its extrapolation error (the point of most KV left out of a
+  second fit and predicted by it), and the largest batch and KV the grid reached, so a bench run
+  beyond them reads as the extrapolation it is;
 * prefill time over prompt lengths (one request, one token): ``prefill_t0 + prefill_per_token n
   + prefill_per_token_pair n (n + 1) / 2``;
-* KV capacity and the running-request limit from ``/v1/loads`` and ``/server_info``;
-* abort latency: a long request aborted by rid, time until its reply is back.
+* KV capacity and the running-request limit from ``/v1/loads`` and ``/server_info``, and the GPUs
+  per engine (tensor x pipeline x data parallel size from ``/server_info``, or ``--gpus-per-engine``):
+  the training phase of a spec runs on every GPU of the job;
+* abort latency: a long request aborted by rid once the engine reports it running, time until its
+  reply is back.
 
-Every measurement is the fastest of ``--repeats`` tries (the machine may be shared; the fastest is
-the least disturbed). Token ids are small (< 100), so any vocabulary takes them: an id past the
-vocabulary kills an SGLang engine. The spec JSON keeps the raw grid under ``measurements``.
+A decode point is the median over ``--repeats`` tries of a long and a short batch timed back to
+back (a shared machine's slow spell lands on both halves of a try); a point whose decode steps
+come out free (noise larger than the steps) is measured again with more tokens. A prefill point is
+the fastest of its tries (the least disturbed). Token ids are small (< 100), so any vocabulary takes them: an id
+past the vocabulary kills an SGLang engine. The spec JSON keeps the raw grid under ``measurements``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import sys
@@ -91,6 +100,58 @@ class _Engine:
         return elapsed
 
 
+    async def running(self) -> int:
+        loads = await self.get("/v1/loads")
+        entries = loads.get("loads") if isinstance(loads, dict) else None
+        if not entries:
+            raise CalibrationError(f"{self.url}/v1/loads: no loads in {str(loads)[:200]}")
+        return int(sum(e.get("num_running_reqs", 0) for e in entries))
+
+
+MAX_TOKEN_GROWTH = 8  # a point whose steps come out free is measured again with up to 8 x the tokens
+
+
+def plan_grid(batches: Sequence[int] | None, contexts: Sequence[int] | None, *, capacity: int,
+              max_running: int | None, context_len: int | None, decode_tokens: int,
+              fill: float = 0.8) -> list[tuple[int, int]]:
+    """The (batch, prompt tokens) points to measure. ``None`` picks the default, which reaches the
+    bench's regime: batches 1, 4, 16, 64, 256 within the running-request limit (and the limit
+    itself when it is lower), contexts 64 and 1,024 and, per batch, the context that fills ``fill``
+    of the KV pool. Room is kept for a point measured again with ``MAX_TOKEN_GROWTH`` x the
+    tokens (within the context, SGLang ends a request 2 tokens short of it; within the pool); a
+    point whose batch would not fit in the pool is left out."""
+    limit = max_running or 256
+    if batches is None:
+        batches = sorted({b for b in (1, 4, 16, 64, 256) if b <= limit} | ({limit} if limit < 256 else set()))
+    most = MAX_TOKEN_GROWTH * decode_tokens
+    longest = (context_len or 1 << 30) - most - 16
+    points: list[tuple[int, int]] = []
+    for batch in batches:
+        fill_context = int(fill * capacity / batch) - most
+        wanted = list(contexts) if contexts is not None else [64, 1024, fill_context]
+        for context in sorted(set(wanted)):
+            context = min(context, longest)
+            if context >= 1 and batch * (context + most) <= 0.9 * capacity and (batch, context) not in points:
+                points.append((batch, context))
+    return points
+
+
+def fit_report(rows: Sequence[Sequence[float]], y: Sequence[float]) -> dict[str, float]:
+    """How well the linear step law holds: its worst relative error on the grid, and the error at
+    the point of most KV when that point is left out of the fit (what extrapolating costs)."""
+    a, b = np.asarray(rows, dtype=float), np.asarray(y, dtype=float)
+    coef = _fit(a, b)
+    predicted = a @ coef
+    report = {"max_relative_error": float(np.max(np.abs(predicted - b) / np.maximum(b, 1e-12)))}
+    top = int(np.argmax(a[:, 2]))
+    rest = [i for i in range(len(b)) if i != top]
+    if len(rest) >= 3:
+        partial = _fit(a[rest], b[rest])
+        report.update(extrapolated_point=float(a[top, 2]), extrapolation_relative_error=float(
+            abs(a[top] @ partial - b[top]) / max(b[top], 1e-12)))
+    return report
+
+
 async def _engine_url(url: str, timeout_s: float) -> tuple[str, int]:
     """The engine to measure and how many engines there are: a router's first worker, or ``url``."""
     probe = _Engine(url, timeout_s)
@@ -145,7 +206,20 @@ def _fit(rows: Sequence[Sequence[float]], y: Sequence[float]) -> np.ndarray:
         active.pop(int(np.argmin(coef)))
 
 
-async def measure(url: str, *, batches: Sequence[int] = (1, 4, 8), contexts: Sequence[int] = (64, 512),
+def _gpus_per_engine(info: Any) -> int | None:
+    """Tensor x pipeline x data parallel size, from ``/server_info`` (SGLang flattens its server
+    arguments into it); None when the engine does not say."""
+    if not isinstance(info, dict) or not isinstance(info.get("tp_size"), int):
+        return None
+    size = 1
+    for key in ("tp_size", "pp_size", "dp_size"):
+        value = info.get(key)
+        if isinstance(value, int) and value >= 1:
+            size *= value
+    return size
+
+
+async def measure(url: str, *, batches: Sequence[int] | None = None, contexts: Sequence[int] | None = None,
                   decode_tokens: int = 16, prefill_lengths: Sequence[int] = (64, 512, 2048),
                   repeats: int = 2, timeout_s: float = 120.0) -> dict[str, Any]:
     engine_url, num_engines = await _engine_url(url, timeout_s)
@@ -159,33 +233,55 @@ async def measure(url: str, *, batches: Sequence[int] = (1, 4, 8), contexts: Seq
             raise CalibrationError(f"{engine_url}/v1/loads has no max_total_num_tokens: {str(loads)[:200]}")
         capacity = int(per_engine[0]["max_total_num_tokens"])
         max_running = info.get("max_running_requests") if isinstance(info, dict) else None
+        max_running = max_running or per_engine[0].get("max_running_requests")
         models = await _optional(engine, "/v1/models")  # OpenAI-style: data[0].max_model_len
         cards = models.get("data") if isinstance(models, dict) else None
         context_len = _context_length(info, model, *(cards if isinstance(cards, list) else []))
-        longest = max(max(contexts) + decode_tokens, max(prefill_lengths) + 1)
+        points = plan_grid(batches, contexts, capacity=capacity, max_running=max_running,
+                           context_len=context_len, decode_tokens=decode_tokens)
+        if len(points) < 3 or len({b for b, _ in points}) < 2:
+            raise CalibrationError(f"the grid leaves {len(points)} (batch, context) points within the KV pool of "
+                                   f"{capacity} tokens on {engine_url}: lower --batches / --contexts")
+        longest = max(prefill_lengths) + 1
         if context_len is not None and longest > context_len:
-            raise CalibrationError(f"the grid needs {longest} tokens per request but {engine_url} "
-                                   f"serves a context of {context_len}: lower --contexts / "
-                                   f"--prefill-lengths")
+            raise CalibrationError(f"the prefill grid needs {longest} tokens per request but {engine_url} "
+                                   f"serves a context of {context_len}: lower --prefill-lengths")
         await engine.generate(16, 2)  # warm-up: first requests pay one-off costs
 
         async def fastest(batch: int, prompt_len: int, new: int) -> float:
             return min([await engine.batch_time(batch, prompt_len, new) for _ in range(repeats)])
 
         decode_rows, decode_y, grid = [], [], []
-        for batch, context in itertools.product(batches, contexts):
+        for batch, context in points:
             # Two lengths, both long enough for the whole batch to be running: the requests
             # arrive and are prefilled one after another, and that staggered start cancels out.
-            short = max(2, decode_tokens // 3)
-            full = await fastest(batch, context, decode_tokens)
-            first = await fastest(batch, context, short)
-            step = max(0.0, full - first) / (decode_tokens - short)
-            kv = batch * (context + (decode_tokens + short) / 2.0)
+            # Noise larger than the steps (a loaded machine) shows as free steps: measure again
+            # with more tokens, up to MAX_TOKEN_GROWTH x.
+            # Each try times the long batch and the short one back to back, and the step is the
+            # median of the tries' differences: a slow spell of a shared machine lands on both
+            # halves of a try rather than on one half of the comparison.
+            tokens = decode_tokens
+            while True:
+                short = max(2, tokens // 3)
+                pairs = []
+                for _ in range(repeats):
+                    pairs.append((await engine.batch_time(batch, context, tokens),
+                                  await engine.batch_time(batch, context, short)))
+                difference = float(np.median([a - b for a, b in pairs]))
+                if difference > 0 or tokens >= MAX_TOKEN_GROWTH * decode_tokens:
+                    break
+                tokens *= 2
+            if difference <= 0:
+                raise CalibrationError(f"decode steps at batch {batch} x {context} tokens measured as free "
+                                       f"(noise larger than {tokens} steps): raise --decode-tokens or --repeats")
+            full, first = min(a for a, _ in pairs), min(b for _, b in pairs)
+            step = difference / (tokens - short)
+            kv = batch * (context + (tokens + short) / 2.0)
             decode_rows.append([1.0, batch, kv])
             decode_y.append(step)
-            grid.append({"batch": batch, "context": context, "decode_tokens": decode_tokens,
+            grid.append({"batch": batch, "context": context, "decode_tokens": tokens,
                          "short_tokens": short, "time_full_s": full, "time_short_s": first,
-                         "decode_step_s": step})
+                         "decode_step_s": step, "kv_tokens": kv})
         t0, per_request, per_kv = _fit(decode_rows, decode_y)
         prefill_rows, prefill_y, prefill_grid = [], [], []
         for n in prefill_lengths:
@@ -195,12 +291,13 @@ async def measure(url: str, *, batches: Sequence[int] = (1, 4, 8), contexts: Seq
             prefill_grid.append({"tokens": n, "time_s": t})
         p0, p_tok, p_pair = _fit(prefill_rows, prefill_y)
 
-        # abort latency: a long request, aborted by rid once it is decoding
+        # abort latency: a long request, aborted by rid once the engine reports it running
         rid = "calibrate-abort-" + uuid.uuid4().hex
         # long enough to still be decoding when the abort lands, within the context and the pool
         budget = min(capacity // 2, (context_len or 4096) - 32, 100_000)
         task = asyncio.ensure_future(engine.generate(16, budget, rid))
-        await asyncio.sleep(max(0.3, 5 * t0))
+        while await engine.running() < 1 and not task.done():
+            await asyncio.sleep(0.05)
         sent = time.perf_counter()
         await engine.post("/abort_request", {"rid": rid})
         reply = await asyncio.wait_for(task, timeout_s)
@@ -213,29 +310,36 @@ async def measure(url: str, *, batches: Sequence[int] = (1, 4, 8), contexts: Seq
     if t0 <= 0 and per_request <= 0:
         raise CalibrationError("decode steps measured as free: the grid is too small for this engine")
     return {
-        "engine_url": engine_url, "num_engines": num_engines,
+        "engine_url": engine_url, "num_engines": num_engines, "gpus_per_engine": _gpus_per_engine(info),
         "model_path": model.get("model_path") if isinstance(model, dict) else None,
         "kv_capacity_tokens": capacity, "max_running_requests": max_running,
         "decode_t0": float(t0), "decode_per_request": float(per_request),
         "decode_per_kv_token": float(per_kv), "prefill_t0": float(p0),
         "prefill_per_token": float(p_tok), "prefill_per_token_pair": float(p_pair),
         "abort_latency_s": abort_latency, "decode_grid": grid, "prefill_grid": prefill_grid,
+        "decode_fit": fit_report(decode_rows, decode_y),
+        "largest_batch": max(b for b, _ in points), "largest_kv_tokens": max(r[2] for r in decode_rows),
     }
 
 
-def engine_spec(m: dict[str, Any], base_preset: str, name: str | None = None) -> dict[str, Any]:
-    """The spec JSON (``EngineSpec.from_dict``) for measurement ``m``."""
+def engine_spec(m: dict[str, Any], base_preset: str, name: str | None = None,
+                gpus_per_engine: int | None = None) -> dict[str, Any]:
+    """The spec JSON (``EngineSpec.from_dict``) for measurement ``m``. GPUs per engine: the
+    argument, else what the engine reported, else the base preset's (a 4 x TP2 node is 8 GPUs,
+    and the training phase runs on all of them)."""
+    gpus = gpus_per_engine or m.get("gpus_per_engine") or ENGINE_PRESETS[base_preset].gpus_per_engine
     spec: dict[str, Any] = {
         "base_preset": base_preset,
         "name": name or f"calibrated:{m['engine_url']}",
         "model": str(m["model_path"] or ENGINE_PRESETS[base_preset].model),
-        "num_engines": int(m["num_engines"]), "gpus_per_engine": 1,
+        "num_engines": int(m["num_engines"]), "gpus_per_engine": int(gpus),
         "decode_t0": m["decode_t0"], "decode_per_request": m["decode_per_request"],
         "decode_per_kv_token": m["decode_per_kv_token"], "prefill_t0": m["prefill_t0"],
         "prefill_per_token": m["prefill_per_token"],
         "prefill_per_token_pair": m["prefill_per_token_pair"],
         "kv_capacity_tokens": int(m["kv_capacity_tokens"]), "abort_latency_s": m["abort_latency_s"],
-        "cuda_graph_max_bs": 0,  # measured steps already are what the engine does at each batch
+        # measured steps already are what the engine does at each batch, graphs or not
+        "cuda_graph_max_bs": 0, "enforce_eager": False,
         "source": f"april-slime calibrate {m['engine_url']} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
         "measurements": m,
     }
@@ -297,11 +401,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-preset", default="h100-qwen3-4b", choices=sorted(ENGINE_PRESETS),
                    help="preset the fields not measured (model shape, training phase) come from")
     p.add_argument("--name", default=None, help="spec name (default: calibrated:<engine url>)")
-    p.add_argument("--batches", default="1,4,8", help="decode grid batch sizes")
-    p.add_argument("--contexts", default="64,512", help="decode grid prompt lengths")
+    p.add_argument("--batches", default="auto",
+                   help="decode grid batch sizes (auto: 1, 4, 16, 64, 256 within the engine's running limit)")
+    p.add_argument("--contexts", default="auto",
+                   help="decode grid prompt lengths (auto: 64, 1024 and, per batch, one that fills 80%% of "
+                        "the KV pool)")
+    p.add_argument("--gpus-per-engine", type=int, default=None,
+                   help="GPUs each engine runs on (default: tp x pp x dp from /server_info, else the base preset's)")
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens decoded per grid point (>= 6)")
     p.add_argument("--prefill-lengths", default="64,512,2048", help="prefill grid prompt lengths")
-    p.add_argument("--repeats", type=int, default=2, help="tries per point; the fastest is kept")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="tries per point (decode: the median difference is kept; prefill: the fastest)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP call")
     return p
 
@@ -319,20 +429,25 @@ def _ints(text: str, what: str, minimum: int) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        batches = _ints(args.batches, "batches", 1)
-        contexts = _ints(args.contexts, "contexts", 1)
+        batches = None if args.batches == "auto" else _ints(args.batches, "batches", 1)
+        contexts = None if args.contexts == "auto" else _ints(args.contexts, "contexts", 1)
         prefill = _ints(args.prefill_lengths, "prefill-lengths", 1)
         if args.decode_tokens < 6 or args.repeats < 1 or not args.timeout > 0:
             raise ValueError("--decode-tokens must be >= 6, --repeats >= 1, --timeout > 0")
-        if len(set(batches)) * len(set(contexts)) < 3 or len(set(prefill)) < 2:
-            raise ValueError("the grid needs >= 3 (batch, context) points and >= 2 prefill lengths")
+        if args.gpus_per_engine is not None and args.gpus_per_engine < 1:
+            raise ValueError(f"--gpus-per-engine must be >= 1, got {args.gpus_per_engine}")
+        if (batches is not None and len(set(batches)) < 2) or (
+                batches is not None and contexts is not None and len(set(batches)) * len(set(contexts)) < 3):
+            raise ValueError("the grid needs >= 2 batch sizes and >= 3 (batch, context) points")
+        if len(set(prefill)) < 2:
+            raise ValueError("the prefill grid needs >= 2 lengths")
         m = asyncio.run(measure(args.url, batches=batches, contexts=contexts,
                                 decode_tokens=args.decode_tokens, prefill_lengths=prefill,
                                 repeats=args.repeats, timeout_s=args.timeout))
     except (ValueError, CalibrationError) as exc:
         print(f"april-slime calibrate: {exc}", file=sys.stderr)
         return 2
-    spec = engine_spec(m, args.base_preset, args.name)
+    spec = engine_spec(m, args.base_preset, args.name, args.gpus_per_engine)
     text = json.dumps(spec, indent=2)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -343,6 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"april-slime calibrate: {m['engine_url']}: decode {m['decode_t0'] * 1e3:.2f} ms "
           f"+ {m['decode_per_request'] * 1e6:.1f} us/request + {m['decode_per_kv_token'] * 1e9:.2f} "
           f"ns/KV token; prefill {m['prefill_t0'] * 1e3:.1f} ms + {m['prefill_per_token'] * 1e6:.1f} "
-          f"us/token; KV {m['kv_capacity_tokens']:,} tokens; abort {m['abort_latency_s'] * 1e3:.0f} ms",
-          file=sys.stderr)
+          f"us/token; KV {m['kv_capacity_tokens']:,} tokens; abort {m['abort_latency_s'] * 1e3:.0f} ms; "
+          f"{spec['gpus_per_engine']} GPU(s) per engine", file=sys.stderr)
+    fit = m["decode_fit"]
+    extrapolation = (f", {fit['extrapolation_relative_error']:.1%} at {fit['extrapolated_point']:,.0f} KV tokens "
+                     f"when that point is left out" if "extrapolation_relative_error" in fit else "")
+    print(f"april-slime calibrate: grid up to batch {m['largest_batch']} and {m['largest_kv_tokens']:,.0f} KV "
+          f"tokens; step law worst error on the grid {fit['max_relative_error']:.1%}{extrapolation}; a bench "
+          f"run beyond the grid extrapolates the linear law", file=sys.stderr)
     return 0

@@ -170,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with a 2K budget, 1-2 minutes at --time-scale 1); no steady state, so "
                         "the numbers are not results")
     p.add_argument("--band", action="store_true",
-                   help="also run the workload over seeds and the uncertain inputs (length tail, "
-                        "per-step overhead) and print steps/h with its band (7 variants)")
+                   help="also run the workload over seeds and the uncertain inputs (the length law's "
+                        "fitted median, the training cost, the decode-step overhead) and print steps/h "
+                        "with its band (9 variants; multi-turn: seeds and tool latency)")
     p.add_argument("--jobs", type=int, default=1,
                    help="virtual mode: processes to run the runs (sweep points, --band variants) in "
                         "(default 1)")
@@ -221,10 +222,18 @@ def _configure(args: argparse.Namespace) -> tuple[Workload, EngineSpec, list[str
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "reproduce" and "--fit" in argv[1:]:
+        from .fit import main as fit_main
+
+        return fit_main(argv[1:])
     if argv and argv[0] == "reproduce":
         from .reproduce import main as reproduce_main
 
         return reproduce_main(argv[1:])
+    if argv and argv[0] == "report":
+        from .docs_report import main as report_main
+
+        return report_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         workload, spec, notes = _configure(args)

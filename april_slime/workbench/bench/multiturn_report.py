@@ -4,7 +4,7 @@ What partial rollout gains on multi-turn is only readable next to what it gains 
 so this module runs both from one command: the multi-turn workload (episodes, ``multiturn.py``)
 and its flat twin (the same prompts, each sample one response of exactly its episode's model
 tokens, no tool), each policy on a fresh cluster, either once (``run_pair``) or over the band's
-variants (``run_pair_band``: ``band.headline_variants`` plus the tool latency halved and doubled,
+variants (``run_pair_band``: the headline's three seeds plus the tool latency halved and doubled,
 the input of the multi-turn model we are least sure of). It owns the comparison (each policy's
 ratio to sync on both workloads, and their quotient, measured within each variant) and what the
 command prints and writes.
@@ -37,8 +37,9 @@ def flat_twin(workload: Workload) -> Workload:
 
 
 def pair_variants(workload: Workload, spec: EngineSpec) -> list[Variant]:
-    """The headline's variants, and the tool latency's median halved and doubled."""
-    return headline_variants(workload, spec) + [
+    """The headline's seeds, and the tool latency's median halved and doubled (the input of the
+    multi-turn model we are least sure of; the training and engine variants are the headline's)."""
+    return headline_variants(workload, spec)[:3] + [
         Variant("short tools", 0, workload={"tool_median_s": workload.tool_median_s / 2}),
         Variant("long tools", 0, workload={"tool_median_s": workload.tool_median_s * 2}),
     ]

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
+from .laws import on_family, solve, statistics, with_fields
 from .runner import run_benchmark, run_jobs
 from .spec import ENGINE_PRESETS
 from .workloads import Workload
@@ -49,6 +50,10 @@ class Row:
     denominator: Run
     metric: str  # summary key; emulated = metric(numerator) / metric(denominator)
     note: str = ""
+    # the paper's seconds per step (and their rollout and log-prob parts) of numerator, denominator
+    published_s: tuple[float, float] | None = None
+    published_rollout_s: tuple[float, float] | None = None
+    published_logprob_s: tuple[float, float] | None = None
 
 
 def _w(name: str, **kw: Any) -> Workload:
@@ -62,48 +67,79 @@ def _run(preset: str, workload: Workload, policy: str, **kw: Any) -> Run:
     return Run(preset, replace(workload, policies=(policy,), **kw))
 
 
-def _published() -> dict[str, dict[str, Any]]:
+def published() -> dict[str, Any]:
+    """``data/published.json``: ``{"rows": [...], "statistics": [...]}``."""
     text = resources.files("april_slime.workbench.bench").joinpath("data/published.json").read_text("utf-8")
-    return {r["name"]: r for r in json.loads(text)["rows"]}
+    return json.loads(text)
 
 
-def rows(steps_scale: float = 1.0, median_overrides: dict[str, float] | None = None) -> list[Row]:
-    """Every row; ``steps_scale`` shortens the runs (tests), ``median_overrides`` replaces a
-    length law's median (the fit)."""
-    pub = _published()
-    med = median_overrides or {}
+def published_statistic(name: str) -> dict[str, Any]:
+    for item in published()["statistics"]:
+        if item["name"] == name:
+            return item
+    raise KeyError(f"no published statistic {name!r}")
+
+
+def april_family(law: str, median: float) -> str:
+    """The law at ``median`` that meets APRIL's length statistics: the batch's spread fig. 7's
+    4,250 tokens, a group's no wider than fig. 8's 1,500 (``laws.on_family``)."""
+    return on_family(law, median, published_statistic("APRIL batch sigma")["published"],
+                     published_statistic("APRIL group sigma GRPO")["published"])
+
+
+def dapo_arm(law: str) -> str:
+    """The law of a DAPO run: the same prompts' lengths with the wider spread within a group that
+    APRIL measured for DAPO (fig. 8: 2,400 tokens, against < 1,500 for GRPO)."""
+    return solve(law, "sample_sigma", "sigma_group", published_statistic("APRIL group sigma DAPO")["published"],
+                 0.0, 1.5)
+
+
+def rows(steps_scale: float = 1.0, laws: dict[str, str] | None = None) -> list[Row]:
+    """Every row; ``steps_scale`` shortens the runs (tests), ``laws`` replaces length laws by name
+    (``{"dapo-math-qwen3-4b-16k": "dapo-math-qwen3-4b-16k:median_tokens=3000,..."}``: the fit)."""
+    pub = {r["name"]: r for r in published()["rows"]}
+    laws = laws or {}
 
     def steps(n: int) -> int:
         return max(4, int(round(n * steps_scale)))
 
-    def length(preset: str) -> str:
-        return f"{preset}:median_tokens={med[preset]}" if preset in med else preset
+    def length(name: str) -> str:
+        return laws.get(name, name)
 
     out: list[Row] = []
 
     def row(name: str, num: Run, den: Run, metric: str, note: str = "") -> None:
         p = pub[name]
-        out.append(Row(name, float(p["published"]), p["source"], p["role"], num, den, metric, note))
 
-    # ---- APRIL §3.2.1 / fig. 4: slime + SGLang, 8 x MI300X, Qwen3-4B/8B, DAPO-Math-17k,
-    # 32 x 8, 16K, over_sampling_batch_size 64; rollout throughput (tokens / rollout time).
-    dapo = length("dapo-math-qwen3-4b-16k")
-    for size in ("4b", "8b"):
-        preset = f"mi300x-qwen3-{size}"
-        w = _w(f"april-{size}", length=dapo, max_response_len=16384, rollout_batch_size=32,
-               steps=steps(16), over_sampling_factor=2.0)
-        row(f"APRIL Qwen3-{size.upper()} GRPO DAPO-Math: april / sync rollout tok/s",
-            _run(preset, w, "april"), _run(preset, w, "sync"), "throughput_tokens_per_s")
-        # DAPO arm: dynamic sampling in both arms (half the groups have mixed rewards), so the
-        # baseline already over-samples and aborts; it discards its partials, APRIL keeps them.
-        wf = replace(w, name=f"april-{size}-dapo", filter_keep_fraction=0.5)
-        row(f"APRIL Qwen3-{size.upper()} DAPO DAPO-Math: april / sync rollout tok/s",
-            _run(preset, wf, "april"), _run(preset, wf, "sync-oversample"),
-            "throughput_tokens_per_s")
+        def pair(key: str) -> tuple[float, float] | None:
+            return tuple(p[key]) if key in p else None  # type: ignore[return-value]
+
+        out.append(Row(name, float(p["published"]), p["source"], p["role"], num, den, metric, note,
+                       pair("published_s_per_step"), pair("published_rollout_s"), pair("published_logprob_s")))
+
+    # ---- APRIL §3.2.1 / fig. 4: slime + SGLang, 8 x MI300X, Qwen3-4B/8B, 32 x 8, 16K,
+    # over_sampling_batch_size 64. The figure is slime's perf/tokens_per_gpu_per_sec: the response
+    # tokens of the samples a step returns / its rollout time (slime/observability/rollout_metrics.py),
+    # i.e. trained tokens, not every token generated (a baseline's discarded partials do not count).
+    for dataset, law in (("DAPO-Math", length("dapo-math-qwen3-4b-16k")), ("DeepMath", length("deepmath-qwen3-16k"))):
+        for size in ("4b", "8b"):
+            preset = f"mi300x-qwen3-{size}"
+            w = _w(f"april-{size}-{dataset.lower()}", length=law, max_response_len=16384, rollout_batch_size=32,
+                   steps=steps(16), over_sampling_factor=2.0)
+            row(f"APRIL Qwen3-{size.upper()} GRPO {dataset}: april / sync rollout tok/s per GPU",
+                _run(preset, w, "april"), _run(preset, w, "sync"), "effective_throughput_tokens_per_s")
+            if dataset != "DAPO-Math":
+                continue
+            # DAPO arm: dynamic sampling in both arms (half the groups have mixed rewards), so the
+            # baseline already over-samples and aborts; it discards its partials, APRIL keeps them.
+            wf = replace(w, name=f"april-{size}-dapo", length=dapo_arm(law), filter_keep_fraction=0.5)
+            row(f"APRIL Qwen3-{size.upper()} DAPO DAPO-Math: april / sync rollout tok/s per GPU",
+                _run(preset, wf, "april"), _run(preset, wf, "sync-oversample"),
+                "effective_throughput_tokens_per_s")
 
     # ---- CoPRIS: veRL + vLLM 0.8.4; 64 prompts x 8, N' = 1024, prompts <= 1024 tokens, budget
     # 15360. 32 H800 (7B, Qwen3-8B) -> an 8-GPU slice: 16 prompts, N' 256; 16 A800 (1.5B) ->
-    # 32 prompts, N' 512.
+    # 32 prompts, N' 512. The baseline is veRL's synchronous rollout (sync-split).
     q8 = length("deepscaler-qwen3-8b")
     r1 = length("deepscaler-r1-distill")
     for budget in (8192, 40960):
@@ -111,7 +147,7 @@ def rows(steps_scale: float = 1.0, median_overrides: dict[str, float] | None = N
         w = _w(f"copris-ctx-{budget // 1024}k", length=q8, max_response_len=budget,
                rollout_batch_size=16, concurrency=256, steps=steps(50))
         row(f"CoPRIS fig. 3a Qwen3-8B {budget // 1024}K: copris / veRL effective throughput",
-            _run("h800-qwen3-8b-vllm", w, "copris"), _run("h800-qwen3-8b-vllm", w, "sync"),
+            _run("h800-qwen3-8b-vllm", w, "copris"), _run("h800-qwen3-8b-vllm", w, "sync-split"),
             "steps_per_hour_all")
     t1 = {
         "7B": ("h800-r1-distill-7b-vllm", r1, 16, 256),
@@ -123,13 +159,11 @@ def rows(steps_scale: float = 1.0, median_overrides: dict[str, float] | None = N
                concurrency=n_prime, steps=steps(24))
         model = label if label == "Qwen3-8B" else f"Distill-Qwen-{label}"
         row(f"CoPRIS tab. 1 {model}: veRL / CoPRIS training hours",
-            _run(preset, w, "copris"), _run(preset, w, "sync"), "steps_per_hour")
+            _run(preset, w, "copris"), _run(preset, w, "sync-split"), "steps_per_hour")
     # tab. 2 (1.5B, 16 A800): seconds per step at N' 512 / 1536 / 2048 and naive partial rollout
     # (over-sampling to 1536 requests) against N' = 1024; slice: N' halved.
-    preset, law, prompts, _ = t1["1.5B"]
-    w = _w("copris-t1-1.5B", length=law, max_response_len=15360, rollout_batch_size=prompts,
-           concurrency=512, steps=steps(24))
-    ref = _run(preset, w, "copris")
+    ref = tab2_reference(steps_scale, laws)
+    preset, w = ref.preset, ref.workload
     for n_prime in (512, 1536, 2048):
         row(f"CoPRIS tab. 2 step time N'={n_prime} / N'=1024",
             ref, _run(preset, w, "copris", concurrency=n_prime // 2), "steps_per_hour")
@@ -138,8 +172,9 @@ def rows(steps_scale: float = 1.0, median_overrides: dict[str, float] | None = N
 
     # ---- verl async partial-rollout recipe: 2 x 8 H20, Qwen3-4B, vLLM, DAPO-Math, 18384-token
     # budget; sample supplementation keeps every engine busy up to the batch (CoPRIS with N' =
-    # the batch) and caches what is unfinished. Batch not stated: 32 x 8 assumed (16 on 8 GPUs).
-    w = _w("verl-recipe", length=dapo, max_response_len=18384, rollout_batch_size=16,
+    # the batch) and caches what is unfinished. Its baseline is veRL's agent loop, which spreads
+    # requests over the servers by load (sync). Batch not stated: 32 x 8 assumed (16 on 8 GPUs).
+    w = _w("verl-recipe", length=length("dapo-math-qwen3-4b-16k"), max_response_len=18384, rollout_batch_size=16,
            concurrency=128, steps=steps(16))
     row("verl recipe DAPO-Math Qwen3-4B: noPR / PR time per step",
         _run("h20-qwen3-4b-vllm", w, "copris"), _run("h20-qwen3-4b-vllm", w, "sync"),
@@ -147,131 +182,152 @@ def rows(steps_scale: float = 1.0, median_overrides: dict[str, float] | None = N
     return out
 
 
+def tab2_reference(steps_scale: float = 1.0, laws: dict[str, str] | None = None) -> Run:
+    """CoPRIS tab. 2's N' = 1024 run (1.5B on A800, slice: N' 512): every tab. 2 row's
+    reference, and the point veRL's training phase is calibrated on (``fit.py``)."""
+    law = (laws or {}).get("deepscaler-r1-distill", "deepscaler-r1-distill")
+    w = _w("copris-t1-1.5B", length=law, max_response_len=15360, rollout_batch_size=32, concurrency=512,
+           steps=max(4, int(round(24 * steps_scale))))
+    return _run("a800-r1-distill-1.5b-vllm", w, "copris")
+
+
 def _run_job(run: Run) -> tuple[Run, dict[str, Any]]:
     result = run_benchmark(run.workload, ENGINE_PRESETS[run.preset])
     return run, result.summaries[run.policy]
 
 
-def reproduce(table: list[Row], jobs: int = 1) -> list[dict[str, Any]]:
-    """Run every distinct ``Run`` once and fill the rows."""
-    unique = list(dict.fromkeys(r for row in table for r in (row.numerator, row.denominator)))
-    done = dict(run_jobs(_run_job, unique, jobs))
-    out = []
-    for row in table:
-        num, den = done[row.numerator], done[row.denominator]
-        emulated = num[row.metric] / den[row.metric] if den[row.metric] > 0 else float("nan")
-        out.append({"name": row.name, "published": row.published, "emulated": emulated,
-                    "difference": emulated / row.published - 1.0, "source": row.source,
-                    "role": row.role, "metric": row.metric, "note": row.note,
-                    "numerator": {"preset": row.numerator.preset, "policy": row.numerator.policy,
-                                  "stationary": num["stationary"], "warmup_steps": num["warmup_steps"]},
-                    "denominator": {"preset": row.denominator.preset, "policy": row.denominator.policy,
-                                    "stationary": den["stationary"], "warmup_steps": den["warmup_steps"]}})
+_ARM_KEYS = ("step_s", "rollout_s_per_step", "train_s_per_step", "buffered_logprob_s_per_step",
+             "offpolicy_token_fraction", "carried_token_fraction", "train_tokens_per_step", "buffer_tokens_mean",
+             "stationary", "warmup_steps")
+
+
+def arm(run: Run, summary: dict[str, Any], published_s: float | None = None,
+        published_rollout_s: float | None = None, published_logprob_s: float | None = None) -> dict[str, Any]:
+    """One side of a row: its run and what it measured, beside the paper's seconds where given."""
+    out = {"preset": run.preset, "policy": run.policy, "law": run.workload.length,
+           **{k: summary[k] for k in _ARM_KEYS}}
+    out.update(published_s_per_step=published_s, published_rollout_s=published_rollout_s,
+               published_logprob_s=published_logprob_s)
     return out
 
 
-# The fit: each length law's median_tokens is chosen, from these candidates, on its fit row.
-FIT_CANDIDATES: dict[str, tuple[float, ...]] = {
-    "dapo-math-qwen3-4b-16k": (4000.0, 6000.0, 8000.0, 10000.0, 12000.0),
-    "deepscaler-qwen3-8b": (6000.0, 7000.0, 8500.0, 10000.0, 12000.0),
-    "deepscaler-r1-distill": (3500.0, 4500.0, 5500.0),
-}
-_FIT_ROW_LAW = {
-    "APRIL Qwen3-4B GRPO DAPO-Math: april / sync rollout tok/s": "dapo-math-qwen3-4b-16k",
-    "CoPRIS fig. 3a Qwen3-8B 8K: copris / veRL effective throughput": "deepscaler-qwen3-8b",
-    "CoPRIS tab. 1 Distill-Qwen-7B: veRL / CoPRIS training hours": "deepscaler-r1-distill",
-}
+def fill(row: Row, num: dict[str, Any], den: dict[str, Any]) -> dict[str, Any]:
+    """A row's result from its two runs' summaries."""
+    emulated = num[row.metric] / den[row.metric] if den[row.metric] > 0 else float("nan")
+
+    def side(k: int) -> tuple[float | None, ...]:
+        return tuple(x[k] if x is not None else None
+                     for x in (row.published_s, row.published_rollout_s, row.published_logprob_s))
+
+    return {"name": row.name, "published": row.published, "emulated": emulated,
+            "difference": emulated / row.published - 1.0, "source": row.source,
+            "role": row.role, "metric": row.metric, "note": row.note,
+            "numerator": arm(row.numerator, num, *side(0)), "denominator": arm(row.denominator, den, *side(1))}
 
 
-def fit(jobs: int = 1, steps_scale: float = 1.0, laws: list[str] | None = None) -> dict[str, Any]:
-    """Every fit row at every candidate median of its law, in one pool; the best per law."""
-    table: list[Row] = []
-    for law, candidates in FIT_CANDIDATES.items():
-        if laws is not None and law not in laws:
-            continue
-        for median in candidates:
-            for row in rows(steps_scale, {law: median}):
-                if _FIT_ROW_LAW.get(row.name) == law:
-                    table.append(replace(row, note=f"{law} median_tokens={median}"))
-    result = reproduce(table, jobs)
-    best: dict[str, Any] = {}
-    for r in result:
-        law, _, median = r["note"].partition(" median_tokens=")
-        if law not in best or abs(r["difference"]) < abs(best[law]["difference"]):
-            best[law] = {"median_tokens": float(median), "row": r["name"],
-                         "published": r["published"], "emulated": r["emulated"],
-                         "difference": r["difference"]}
-    return {"grid": result, "best": best}
+def run_all(runs: list[Run], jobs: int = 1) -> dict[Run, dict[str, Any]]:
+    """Every distinct run once, in ``jobs`` processes: run -> summary."""
+    return dict(run_jobs(_run_job, list(dict.fromkeys(runs)), jobs))
+
+
+def reproduce(table: list[Row], jobs: int = 1) -> list[dict[str, Any]]:
+    """Run every distinct ``Run`` once and fill the rows."""
+    done = run_all([r for row in table for r in (row.numerator, row.denominator)], jobs)
+    return [fill(row, done[row.numerator], done[row.denominator]) for row in table]
 
 
 def format_rows(result: list[dict[str, Any]]) -> str:
-    lines = [f"{'figure':<78} {'published':>9} {'emulated':>8} {'diff':>7}  role"]
+    lines = [f"{'figure':<78} {'published':>9} {'emulated':>8} {'diff':>7}  {'s/step num / den: pub, emu':<30} role"]
     for r in result:
+        def s(a: dict) -> str:
+            pub = f"{a['published_s_per_step']:.0f}" if a["published_s_per_step"] else "-"
+            return f"{pub}, {a['step_s']:.0f}"
         lines.append(f"{r['name']:<78} {r['published']:>8.2f}x {r['emulated']:>7.2f}x "
-                     f"{r['difference']:>+7.1%}  {r['role']}")
+                     f"{r['difference']:>+7.1%}  {s(r['numerator']) + ' / ' + s(r['denominator']):<30} {r['role']}")
     for role in ("fit", "held-out"):
         errs = [abs(r["difference"]) for r in result if r["role"] == role]
         if errs:
+            within = sum(e <= 0.10 for e in errs)
             lines.append(f"{role}: mean |diff| {sum(errs) / len(errs):.1%}, max {max(errs):.1%} "
-                         f"over {len(errs)} rows")
+                         f"over {len(errs)} rows, {within} of {len(errs)} within +-10%")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="april-slime bench reproduce",
         description="Every published figure we can set up (APRIL, CoPRIS, the verl partial-rollout "
-                    "recipe), published vs emulated. Long: 24 runs of 16-50 steps (about 1.5 "
-                    "hours of CPU; --jobs 16 took 6 minutes).")
+                    "recipe), published vs emulated, with the seconds per step beside each ratio. "
+                    "Long: 30 runs of 16-50 steps (about 2 hours of CPU).")
     p.add_argument("--json", default=None, metavar="PATH",
-                   help='write {"rows": [{"name", "published", "emulated", "source", ...}]}')
+                   help='write {"rows": [{"name", "published", "emulated", "numerator", ...}], "statistics": [...]}')
     p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     p.add_argument("--only", default=None, metavar="TEXT",
                    help="only the rows whose name contains TEXT")
     p.add_argument("--steps-scale", type=float, default=1.0,
                    help="multiply every run's steps (at least 4); < 1 for a quick look")
-    p.add_argument("--medians", default=None, metavar="LAW=TOKENS,...",
-                   help="replace length laws' median_tokens (e.g. the values --fit just found)")
-    p.add_argument("--laws", default=None, metavar="LAW,...", help="--fit: only these length laws")
+    p.add_argument("--law", action="append", default=[], metavar="PRESET:FIELD=VALUE,...",
+                   help="replace a length law (repeatable), e.g. the values --fit just found")
     p.add_argument("--fit", action="store_true",
-                   help="grid-search each length law's median_tokens on its fit row and print the "
-                        "best (what docs/calibration/fit.json records)")
-    args = p.parse_args(argv)
+                   help="fit every length law's median and tail on its fit rows and APRIL's length "
+                        "statistics, and veRL's training phase on CoPRIS tab. 2 (docs/calibration/fit.json)")
+    p.add_argument("--laws", default=None, metavar="LAW,...", help="--fit: only these length laws")
+    return p
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]] | None:
+    """The arguments and the ``--law`` replacements; None (after saying why) when they are wrong."""
+    args = build_parser().parse_args(argv)
     if args.jobs < 1 or not args.steps_scale > 0:
         print("april-slime bench reproduce: --jobs must be >= 1 and --steps-scale > 0", file=sys.stderr)
-        return 2
-    medians: dict[str, float] = {}
+        return None
     try:
-        for item in filter(None, (args.medians or "").split(",")):
-            law, _, value = item.partition("=")
-            medians[law.strip()] = float(value)
-    except ValueError:
-        print(f"april-slime bench reproduce: --medians {args.medians!r}: expected LAW=TOKENS,...",
-              file=sys.stderr)
+        laws = {spec.partition(":")[0]: with_fields(spec) for spec in args.law}
+    except ValueError as exc:
+        print(f"april-slime bench reproduce: --law: {exc}", file=sys.stderr)
+        return None
+    return args, laws
+
+
+def main(argv: list[str] | None = None) -> int:
+    parsed = parse(argv)
+    if parsed is None:
         return 2
-    if args.fit:
-        laws = [x.strip() for x in args.laws.split(",")] if args.laws else None
-        found = fit(args.jobs, args.steps_scale, laws)
-        print(format_rows(found["grid"]))
-        for law, b in found["best"].items():
-            print(f"{law}: median_tokens {b['median_tokens']:g} -> {b['emulated']:.2f}x vs "
-                  f"{b['published']:.2f}x ({b['difference']:+.1%})")
-        print("MEDIANS " + ",".join(f"{law}={b['median_tokens']:g}" for law, b in found["best"].items()))
-        if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump(found, fh, indent=2)
-        return 0
-    table = rows(args.steps_scale, medians)
+    args, laws = parsed
+    if args.fit:  # `april-slime bench reproduce --fit` is fit.main's (it imports this module)
+        print("april-slime bench reproduce: --fit runs through `april-slime bench reproduce --fit`", file=sys.stderr)
+        return 2
+    table = rows(args.steps_scale, laws)
     if args.only:
         table = [r for r in table if args.only.lower() in r.name.lower()]
         if not table:
             print(f"april-slime bench reproduce: no row matches {args.only!r}", file=sys.stderr)
             return 2
     result = reproduce(table, args.jobs)
+    stats = law_statistics(result, laws)
     print(format_rows(result))
+    for item in stats:
+        print(f"{item['name']}: published {item['published']:g}, emulated {item['emulated']:.3g} ({item['where']})")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"rows": result}, fh, indent=2)
+            json.dump({"rows": result, "statistics": stats}, fh, indent=2)
     return 0
+
+
+def law_statistics(result: list[dict[str, Any]], laws: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """APRIL's published length statistics beside the emulated ones: the batch and group spread of
+    the DAPO-Math law (and its DAPO arm) and the carried-over tokens of its GRPO april run."""
+    law = (laws or {}).get("dapo-math-qwen3-4b-16k", "dapo-math-qwen3-4b-16k")
+    grpo, dapo = statistics(law), statistics(dapo_arm(law))
+    out = []
+    for name, value, where in (
+            ("APRIL batch sigma", grpo["sigma_batch"], "dapo-math-qwen3-4b-16k at 16K, 32 x 8 per step"),
+            ("APRIL group sigma GRPO", grpo["sigma_group"], "dapo-math-qwen3-4b-16k"),
+            ("APRIL group sigma DAPO", dapo["sigma_group"], "the DAPO arm's law")):
+        out.append({**published_statistic(name), "emulated": value, "where": where})
+    for r in result:
+        if r["name"].startswith("APRIL Qwen3-4B GRPO DAPO-Math"):
+            out.append({**published_statistic("APRIL carried-over tokens"),
+                        "emulated": r["numerator"]["carried_token_fraction"], "where": "its april run"})
+    return out

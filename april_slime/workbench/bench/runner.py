@@ -22,6 +22,7 @@ from april_slime.core.transport import HttpTransport
 from april_slime.core.types import Group
 from april_slime.workbench.emulator import EmulatorCluster, SyntheticLM, run_virtual
 
+from .dispatch import SplitDispatch
 from .multiturn import EpisodeDriver, episode_length_stats, episode_summary
 from .spec import EngineSpec
 from .workloads import MODES, LengthStats, SyntheticPrompts, Workload, ideal_throughput, length_stats
@@ -43,6 +44,11 @@ class StepRecord:
     # is what ends the warm-up (``detect_warmup``).
     buffer_tokens: int = 0
     buffer_age_mean: float = 0.0
+    buffered_logprob_s: float = 0.0  # the part of train_s spent on the buffer's partials
+    train_tokens: int = 0  # prompt + response tokens of the trained batch
+    # Trained response tokens that a sample generated before an abort and resumed later (APRIL
+    # §3.2.3's "tokens carried over from truncated instances"); returned tokens in ``metrics``.
+    carried_tokens: int = 0
 
 
 @dataclass
@@ -73,7 +79,7 @@ class PolicyRun:
 def _policy_config(policy: str, workload: Workload, concurrency: int | None,
                    over_sampling_factor: float) -> AprilConfig:
     values: dict[str, Any] = {
-        "policy": "copris" if policy.startswith("copris") else policy,
+        "policy": "copris" if policy.startswith("copris") else "sync" if policy == "sync-split" else policy,
         "over_sampling_factor": over_sampling_factor,
         "max_staleness": workload.max_staleness,
     }
@@ -209,6 +215,8 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
             # aliasing buys nothing here and would dominate the run time; the replies' tokens stay
             # arrays (the same values as the wire form, without a Python object per token).
             transport = cluster.transport(token_arrays=token_arrays)
+        if policy == "sync-split":
+            transport = SplitDispatch(transport, cluster.engine_urls, workload.rollout_batch_size)
         # Virtual time: an emulated hour passes in a moment, so the client timeout must not be
         # what ends a long step; over HTTP keep SGLang-like limits (in wall seconds).
         client = EngineClient(cluster.engine_urls, transport=transport,
@@ -262,9 +270,11 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
                 held, age = _buffer_age(buffer.groups(), version + 1)
             trained = sum(len(t.prompt_ids) + t.response_length
                           for g in result.groups for t in g.trajectories)
-            train_s = spec.train_time(trained)
+            parts = spec.train_parts(trained, held)
+            train_s = sum(parts.values())
             records.append(StepRecord(index, version, start, rollout_s, train_s, result.metrics,
-                                      tracked, context_sum, held, age))
+                                      tracked, context_sum, held, age, parts["buffered"], trained,
+                                      _carried_tokens(result.groups)))
             if index == workload.steps - 1:
                 counters.append(await _cluster_counters(transport, cluster.router_url))
             if on_step is not None:
@@ -301,6 +311,13 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
         if transport is not None:
             await transport.close()
         await cluster.close()
+
+
+def _carried_tokens(groups: Sequence[Group]) -> int:
+    """Response tokens generated before the last resume of every trajectory resumed at least once
+    (its tokens span several policy versions, one per step it ran in)."""
+    return sum(sum(count for _, count in t.version_runs[:-1])
+               for g in groups for t in g.trajectories if len(t.version_runs) > 1)
 
 
 def _decoded_positions(before: dict[str, int], groups: Sequence[Group]) -> tuple[int, float]:
@@ -384,6 +401,7 @@ def summarize(run: PolicyRun, ideal_tokens_per_s: float, spec: EngineSpec | None
         "throughput_tokens_per_s": throughput,
         "utilization": throughput / ideal_tokens_per_s if ideal_tokens_per_s > 0 else 0.0,
         "offpolicy_token_fraction": offpolicy / returned if returned else 0.0,
+        "carried_token_fraction": sum(s.carried_tokens for s in steps) / returned if returned else 0.0,
         "max_staleness": int(max((x["april/staleness_max"] for x in m), default=0)),
         "recomputed_tokens": int(stats["recomputed_tokens"]),
         "discarded_tokens": int(discarded),
@@ -393,6 +411,10 @@ def summarize(run: PolicyRun, ideal_tokens_per_s: float, spec: EngineSpec | None
         "steps_per_hour_all": 3600.0 * len(run.steps) / sum(s.rollout_s + s.train_s for s in run.steps),
         "rollout_s_per_step": rollout_s / len(steps),
         "train_s_per_step": sum(s.train_s for s in steps) / len(steps),
+        "buffered_logprob_s_per_step": sum(s.buffered_logprob_s for s in steps) / len(steps),
+        "buffer_tokens_mean": sum(s.buffer_tokens for s in steps) / len(steps),
+        "train_tokens_per_step": sum(s.train_tokens for s in steps) / len(steps),
+        "step_s": step_s,
         "effective_throughput_tokens_per_s": returned / rollout_s if rollout_s > 0 else 0.0,
         "ideal_tokens_per_s": ideal_tokens_per_s,
         "mean_decode_context": mean_context,

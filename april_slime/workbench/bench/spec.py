@@ -31,7 +31,8 @@ class EngineSpec:
         weight-read time they overlap with (roofline)           -> ``decode_flops_per_request``
       + per KV token in use: KV bytes per token / effective bandwidth -> ``decode_per_kv_token``
       + ``eager_step_extra_s`` when the batch exceeds the CUDA-graph limit (``cuda_graph_max_bs``;
-        SGLang's default on 80 GB GPUs: 256 below TP 4, 512 from TP 4)
+        SGLang's default on 80 GB GPUs: 256 below TP 4, 512 from TP 4), or on every step with
+        ``enforce_eager`` (veRL's vLLM rollout default in 2025)
     * prefill (also recompute after retraction, re-prefill of a resumed partial)
       = ``prefill_overhead_s`` + weight bytes / bandwidth        -> ``prefill_t0``
       + per token: 2 * params / (FLOPs * ``prefill_flops_efficiency``) -> ``prefill_per_token``
@@ -42,9 +43,13 @@ class EngineSpec:
     * scheduling: ``engine="sglang"`` admits with SGLang's decaying new-token ratio and retracts
       the request with the fewest output tokens to the back of the queue; ``"vllm"`` admits what
       fits now and preempts the newest request to the front (recompute), as vLLM does.
-    * training phase per step: ``train_fixed_s`` + ``train_s_per_token`` x trained tokens, the
-      latter derived from ``train_flops_per_token_param`` x params / (all GPUs x bf16 x ``train_mfu``)
-      unless pinned.
+    * training phase per step (``train_time``): ``train_fixed_s`` + ``train_s_per_token`` x trained
+      tokens (prompt + response), the latter derived unless pinned: the update's
+      ``train_flops_per_token_param`` x params at ``train_mfu`` plus the log-prob forward's
+      ``logprob_flops_per_token_param`` x params at ``logprob_mfu``, over all GPUs of the job; and,
+      where the trainer recomputes log-probs of the partials it buffers (``logprob_buffered``:
+      CoPRIS' veRL trainer; slime and this plugin compute them for the trained batch only),
+      ``logprob_s_per_token`` x the response tokens the buffer holds, a cost that grows with N'.
 
     Any derived value can be pinned directly (``decode_t0`` ... ``kv_capacity_tokens``) when it was
     measured on the target hardware (``april-slime calibrate`` writes such a spec).
@@ -80,11 +85,16 @@ class EngineSpec:
     prefill_overhead_s: float = 5e-3
     cuda_graph_max_bs: int | None = None  # None: 256 below TP 4, else 512
     eager_step_extra_s: float = 2e-3
+    enforce_eager: bool = False  # no CUDA graphs at all: every decode step pays eager_step_extra_s
     abort_latency_s: float = 0.02
     # ---- training phase (colocated: the engines are idle meanwhile)
-    train_s_per_token: float | None = None
-    train_flops_per_token_param: float = 8.0  # 6 (forward + backward) + 2 (old log-probs)
+    train_s_per_token: float | None = None  # pinned: update + log-probs per trained token
+    train_flops_per_token_param: float = 6.0  # the update: forward + backward
     train_mfu: float = 0.35
+    logprob_flops_per_token_param: float = 2.0  # one forward for the old log-probs
+    logprob_mfu: float | None = None  # None: train_mfu
+    logprob_s_per_token: float | None = None  # pinned: log-prob forward per token
+    logprob_buffered: bool = False  # log-probs also recomputed for the buffered partials every step
     train_fixed_s: float = 8.0
     # ---- measured values that replace the derived ones (None: derive)
     decode_t0: float | None = None
@@ -95,12 +105,13 @@ class EngineSpec:
     prefill_per_token_pair: float | None = None
     kv_capacity_tokens: int | None = None
     source: str = ""  # where a measured spec came from (``april-slime calibrate``)
+    gpu: str = ""  # the GPU's name, for the record
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or f.name in ("name", "model", "engine", "source"):
-                if f.name in ("name", "model", "engine", "source") and not isinstance(value, str):
+            if isinstance(value, bool) or f.name in ("name", "model", "engine", "source", "gpu"):
+                if f.name in ("name", "model", "engine", "source", "gpu") and not isinstance(value, str):
                     raise ValueError(f"engine spec {f.name} must be a string, got {value!r}")
                 continue
             if value is None:
@@ -117,8 +128,8 @@ class EngineSpec:
             if getattr(self, name) <= 0:
                 raise ValueError(f"engine spec {name} must be > 0")
         for name in ("mem_fraction_static", "bandwidth_efficiency", "decode_flops_efficiency",
-                     "prefill_flops_efficiency", "train_mfu"):
-            if not 0 < getattr(self, name) <= 1:
+                     "prefill_flops_efficiency", "train_mfu", "logprob_mfu"):
+            if getattr(self, name) is not None and not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"engine spec {name} must be in (0, 1], got {getattr(self, name)}")
         if self.engine not in ENGINE_KINDS:
             raise ValueError(f"engine spec engine must be one of {ENGINE_KINDS}, got {self.engine!r}")
@@ -154,8 +165,9 @@ class EngineSpec:
         tp = self.tp_overhead_s if self.gpus_per_engine > 1 else 0.0
         weight_read = self.weight_bytes / bandwidth
         attention_flops_per_pair = 4.0 * self.num_layers * self.num_attention_heads * self.head_dim
+        eager = self.eager_step_extra_s if self.enforce_eager else 0.0
         derived = {
-            "decode_t0": self.step_overhead_s + tp + weight_read,
+            "decode_t0": self.step_overhead_s + tp + weight_read + eager,
             "decode_per_request": self.per_request_overhead_s,
             "decode_per_kv_token": self.kv_bytes_per_token / bandwidth,
             "prefill_t0": self.prefill_overhead_s + tp + weight_read,
@@ -191,14 +203,29 @@ class EngineSpec:
                             max_running_requests=self.max_running_requests, time_scale=time_scale,
                             abort_latency_s=self.abort_latency_s, **scheduling)
 
+    def logprob_seconds_per_token(self) -> float:
+        """One log-prob forward per token, over every GPU of the job."""
+        if self.logprob_s_per_token is not None:
+            return float(self.logprob_s_per_token)
+        mfu = self.logprob_mfu if self.logprob_mfu is not None else self.train_mfu
+        return self.logprob_flops_per_token_param * self.params / (self.num_gpus * self.bf16_flops * mfu)
+
     def train_seconds_per_token(self) -> float:
+        """Update and log-prob forward per trained token."""
         if self.train_s_per_token is not None:
             return float(self.train_s_per_token)
-        return self.train_flops_per_token_param * self.params / (
+        update = self.train_flops_per_token_param * self.params / (
             self.num_gpus * self.bf16_flops * self.train_mfu)
+        return update + self.logprob_seconds_per_token()
 
-    def train_time(self, trained_tokens: int) -> float:
-        return self.train_fixed_s + self.train_seconds_per_token() * trained_tokens
+    def train_parts(self, trained_tokens: int, buffered_tokens: int = 0) -> dict[str, float]:
+        """The training phase of one step: ``fixed``, ``trained`` (update and log-probs of the
+        trained batch) and ``buffered`` (log-probs of the buffer's partials, ``logprob_buffered``)."""
+        return {"fixed": self.train_fixed_s, "trained": self.train_seconds_per_token() * trained_tokens,
+                "buffered": (self.logprob_seconds_per_token() * buffered_tokens if self.logprob_buffered else 0.0)}
+
+    def train_time(self, trained_tokens: int, buffered_tokens: int = 0) -> float:
+        return sum(self.train_parts(trained_tokens, buffered_tokens).values())
 
     def describe(self) -> dict[str, Any]:
         tm = self.time_model()
@@ -208,6 +235,7 @@ class EngineSpec:
             "kv_capacity_tokens": self.kv_capacity(), "time_model": asdict(tm),
             "single_stream_tokens_per_s": 1.0 / tm.decode_step(1, 1000),
             "train_s_per_token": self.train_seconds_per_token(), "train_fixed_s": self.train_fixed_s,
+            "logprob_s_per_buffered_token": self.logprob_seconds_per_token() if self.logprob_buffered else 0.0,
             "spec": asdict(self),
         }
 
@@ -270,30 +298,47 @@ MODELS = {
 }
 
 
+# veRL's synchronous vLLM rollout in 2025 (verl/trainer/config/ppo_trainer.yaml: rollout mode
+# sync, gpu_memory_utilization 0.5, enforce_eager True); its baseline dispatch is ``sync-split``.
+VERL_ROLLOUT: dict[str, Any] = dict(engine="vllm", mem_fraction_static=0.5, enforce_eager=True)
+# veRL's training phase per step, from CoPRIS tab. 2 (Distill-Qwen-1.5B, 16 A800, N' = 1024: Cal
+# logprob 22.15 s, the rest of the step beside the rollout 25.54 s) on the tokens the emulated run
+# trains and buffers at that point (``april-slime bench reproduce --fit``; docs/calibration/fit.json):
+# an MFU for the update and one for the log-prob forward; no fixed part (the rest is per token).
+VERL_TRAINING: dict[str, Any] = dict(train_mfu=0.3321, logprob_mfu=0.3623, train_fixed_s=0.0)
+
+
 def _preset(name: str, gpu: str, model: str, num_engines: int, gpus_per_engine: int,
             **kw: Any) -> EngineSpec:
-    return EngineSpec(name=name, model=model, num_engines=num_engines,
+    return EngineSpec(name=name, model=model, num_engines=num_engines, gpu=gpu,
                       gpus_per_engine=gpus_per_engine, **GPUS[gpu], **MODELS[model], **kw)
 
 
 ENGINE_PRESETS: dict[str, EngineSpec] = {p.name: p for p in (
     # slime's Qwen3-4B example on one 8 x H100 node: colocated, TP2 engines (4 of them),
-    # --sglang-mem-fraction-static 0.7 (APRIL's setup).
-    _preset("h100-qwen3-4b", "H100", "Qwen3-4B", 4, 2, train_fixed_s=8.0),
-    _preset("h100-qwen3-8b", "H100", "Qwen3-8B", 4, 2, train_fixed_s=12.0),
+    # --sglang-mem-fraction-static 0.7 (APRIL's setup). slime publishes no split of its step: the
+    # training phase is the one measured split of a colocated step, veRL's (CoPRIS tab. 2), with
+    # log-probs for the trained batch only (slime's, and this plugin's); the headline's band spans
+    # it x0.5 to x1.5.
+    _preset("h100-qwen3-4b", "H100", "Qwen3-4B", 4, 2, **VERL_TRAINING),
+    _preset("h100-qwen3-8b", "H100", "Qwen3-8B", 4, 2, **VERL_TRAINING),
     # APRIL's figures are mostly from 8 x MI300X (§3.1); same layout, slime + SGLang.
-    _preset("mi300x-qwen3-4b", "MI300X", "Qwen3-4B", 4, 2, train_fixed_s=8.0),
-    _preset("mi300x-qwen3-8b", "MI300X", "Qwen3-8B", 4, 2, train_fixed_s=12.0),
-    # CoPRIS (§5.1, A.2): veRL + vLLM 0.8.4, colocated FSDP. Emulated as an 8-GPU slice of the
-    # 32 (16) GPU jobs with the per-GPU load kept (see bench/reproduce.py); TP2 for 7-8B, TP1 for
-    # 1.5B; vLLM at gpu_memory_utilization 0.6.
-    _preset("h800-qwen3-8b-vllm", "H800", "Qwen3-8B", 4, 2, engine="vllm", mem_fraction_static=0.6,
-            train_fixed_s=12.0),
-    _preset("h800-r1-distill-7b-vllm", "H800", "DeepSeek-R1-Distill-Qwen-7B", 4, 2, engine="vllm",
-            mem_fraction_static=0.6, train_fixed_s=12.0),
-    _preset("a800-r1-distill-1.5b-vllm", "A800", "DeepSeek-R1-Distill-Qwen-1.5B", 8, 1,
-            engine="vllm", mem_fraction_static=0.6, train_fixed_s=8.0),
-    # The verl partial-rollout recipe: 2 x 8 H20, Qwen3-4B, vLLM (slice of 8 GPUs, TP2).
-    _preset("h20-qwen3-4b-vllm", "H20", "Qwen3-4B", 4, 2, engine="vllm", mem_fraction_static=0.6,
-            train_fixed_s=8.0),
+    _preset("mi300x-qwen3-4b", "MI300X", "Qwen3-4B", 4, 2, **VERL_TRAINING),
+    _preset("mi300x-qwen3-8b", "MI300X", "Qwen3-8B", 4, 2, **VERL_TRAINING),
+    # CoPRIS (§5.1, A.2): veRL (main, August 2025) + vLLM 0.8.4, colocated FSDP. Emulated as an
+    # 8-GPU slice of the 32 (16) GPU jobs with the per-GPU load kept (see bench/reproduce.py); TP2
+    # for 7-8B, TP1 for 1.5B; veRL's 2025 rollout defaults (ppo_trainer.yaml): vLLM at
+    # gpu_memory_utilization 0.5 with enforce_eager. Training as CoPRIS tab. 2 measured it
+    # (VERL_TRAINING), with the log-probs of the buffered partials recomputed every step.
+    _preset("h800-qwen3-8b-vllm", "H800", "Qwen3-8B", 4, 2, **VERL_ROLLOUT, **VERL_TRAINING, logprob_buffered=True),
+    _preset("h800-r1-distill-7b-vllm", "H800", "DeepSeek-R1-Distill-Qwen-7B", 4, 2, **VERL_ROLLOUT,
+            **VERL_TRAINING, logprob_buffered=True),
+    _preset("a800-r1-distill-1.5b-vllm", "A800", "DeepSeek-R1-Distill-Qwen-1.5B", 8, 1, **VERL_ROLLOUT,
+            **VERL_TRAINING, logprob_buffered=True),
+    # The verl partial-rollout recipe: 2 x 8 H20, Qwen3-4B, vLLM in veRL's agent loop (January
+    # 2026; slice of 8 GPUs, TP2); its rollout settings are not stated: veRL's memory default,
+    # CUDA graphs; training as CoPRIS measured veRL's (the recipe keeps the rollout log-probs of
+    # its partials, so nothing is recomputed for the buffer).
+    _preset("h20-qwen3-4b-vllm", "H20", "Qwen3-4B", 4, 2, engine="vllm", mem_fraction_static=0.5,
+            **VERL_TRAINING),
 )}

@@ -15,8 +15,9 @@ from april_slime.workbench.emulator.model import prompt_key
 from .spec import EngineSpec
 
 # ``sync-oversample``: slime's baseline under a dynamic-sampling filter (APRIL's DAPO arm):
-# over-sample, abort at the target, discard the partials.
-POLICIES = ("sync", "april", "copris", "copris-adaptive", "sync-oversample")
+# over-sample, abort at the target, discard the partials. ``sync-split``: veRL's synchronous
+# baseline, the batch split in equal chunks per engine up front (``dispatch.py``).
+POLICIES = ("sync", "april", "copris", "copris-adaptive", "sync-oversample", "sync-split")
 MODES = ("virtual", "http")
 MAX_TURNS = 64  # an episode's turn k draws its length with sampling seed sample_seed * MAX_TURNS + k
 
@@ -84,6 +85,8 @@ class Workload:
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"workload concurrency must be >= 1, got {self.concurrency}")
         self._check_turns()
+        if "sync-split" in self.policies and self.turns_max:
+            raise ValueError("workload: sync-split dispatches single-turn prompts; a multi-turn workload runs sync")
 
     def _check_turns(self) -> None:
         if self.turns_max == 0:
@@ -222,14 +225,27 @@ def _sample_scales(workload: Workload, num_prompts: int) -> np.ndarray:
         prompts = SyntheticPrompts(workload.prompt_len, workload.n_samples_per_prompt, 1,
                                    model.vocab_size, workload.seed)
         n = workload.n_samples_per_prompt
-        scales = []
-        for i in range(num_prompts):
-            pk = prompt_key(prompts.prompt_ids(i))
-            for j in range(n):
-                scale = model.profile(pk, i * n + j).scale
-                scales.append(math.nan if scale is None else scale)
-        _SCALE_CACHE[key] = np.array(scales)
+        keys = np.array([prompt_key(prompts.prompt_ids(i)) for i in range(num_prompts)], dtype=np.uint64)
+        seeds = np.arange(num_prompts * n, dtype=np.int64).reshape(num_prompts, n)
+        _SCALE_CACHE[key] = model.scales(np.repeat(keys[:, None], n, axis=1), seeds).ravel()
     return _SCALE_CACHE[key]
+
+
+def sample_lengths(workload: Workload, max_response_len: int | None = None, num_prompts: int = 512,
+                   seed: int = 0) -> np.ndarray:
+    """One response length per sample of the first ``num_prompts`` prompts (shape prompts x
+    samples per prompt), each drawn from its exact stop distribution with a fixed random stream:
+    what the batch statistics that papers publish (spread across a batch, within a group) are
+    computed from."""
+    budget = max_response_len or workload.max_response_len
+    k = workload.length_model().shape
+    scales = _sample_scales(workload, num_prompts)
+    draws = np.random.default_rng([seed, 0x6C656E]).exponential(size=scales.shape)
+    p0 = workload.prompt_len
+    with np.errstate(invalid="ignore"):
+        stop_plus_one = np.ceil(scales * ((p0 / scales) ** k + draws) ** (1.0 / k))
+    lengths = np.where(np.isnan(stop_plus_one), float(budget), np.clip(stop_plus_one - p0, 1, budget))
+    return lengths.reshape(num_prompts, workload.n_samples_per_prompt)
 
 
 def length_stats(workload: Workload, max_response_len: int | None = None,

@@ -1,0 +1,69 @@
+"""The bench's figures in README.md and docs/bench.md are what their JSON renders.
+
+Every generated block (``<!-- bench-report KIND PATH -->``) must equal ``april-slime bench report``'s
+rendering of the JSON the bench command wrote; a figure typed by hand, or a JSON rerun without its
+document, fails here. The counts in the reproduce summary are computed, not typed."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from april_slime.workbench.bench import docs_report
+from april_slime.workbench.bench.docs_report import check, render, reproduce_counts, update
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Which blocks each document must carry: removing one is as wrong as editing it.
+REQUIRED = {
+    "README.md": {"headline", "reproduce-summary"},
+    "docs/bench.md": {"headline", "reproduce-table", "reproduce-statistics", "reproduce-absolute", "fit",
+                      "cpu-engine"},
+}
+
+
+@pytest.mark.parametrize("document", sorted(REQUIRED))
+def test_documents_match_their_json(document):
+    text = (ROOT / document).read_text(encoding="utf-8")
+    kinds = {kind for kind, *_ in docs_report.blocks(text)}
+    assert REQUIRED[document] <= kinds, f"{document} lacks blocks {REQUIRED[document] - kinds}"
+    assert check(text, str(ROOT)) == [], (f"{document} differs from its JSON: run `april-slime bench report` "
+                                          f"after the bench command that wrote it")
+
+
+def test_a_changed_figure_or_json_is_caught(tmp_path):
+    shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("*.png"))
+    doc = "# x\n<!-- bench-report headline docs/bench_headline.json -->\nstale\n<!-- /bench-report -->\n"
+    text = update(doc, str(tmp_path))
+    assert check(text, str(tmp_path)) == [] and "stale" not in text
+    # a hand-edited figure
+    copris = json.loads((tmp_path / "docs/bench_headline.json").read_text())["band"]["policies"]["copris"]
+    typed = text.replace(f"**{copris['ratio_to_sync']:.2f}x**", f"**{copris['ratio_to_sync'] + 0.01:.2f}x**", 1)
+    assert typed != text and check(typed, str(tmp_path)) == ["headline docs/bench_headline.json"]
+    # a JSON rerun without its document
+    data = json.loads((tmp_path / "docs/bench_headline.json").read_text())
+    data["band"]["policies"]["copris"]["ratio_to_sync_max"] = 3.0
+    (tmp_path / "docs/bench_headline.json").write_text(json.dumps(data))
+    assert check(text, str(tmp_path)) == ["headline docs/bench_headline.json"]
+
+
+def test_reproduce_counts_are_computed():
+    rows = [{"role": "fit", "difference": 0.01}, {"role": "held-out", "difference": -0.05},
+            {"role": "held-out", "difference": 0.10}, {"role": "held-out", "difference": 0.2}]
+    c = reproduce_counts(rows)
+    assert c["held-out"]["within"] == 2 and c["held-out"]["rows"] == 3 and c["fit"]["within"] == 1
+    assert c["held-out"]["max"] == 0.2
+
+
+def test_bad_blocks_are_named():
+    with pytest.raises(ValueError, match="unknown"):
+        render("no-such-table", ["docs/bench_headline.json"], str(ROOT))
+    with pytest.raises(ValueError, match="has no"):
+        docs_report.blocks("<!-- bench-report headline docs/bench_headline.json -->\nno end\n")
+
+
+def test_an_empty_block_is_found_empty():
+    text = "x\n<!-- bench-report headline docs/bench_headline.json -->\n<!-- /bench-report -->\ny\n"
+    [(kind, paths, start, end)] = docs_report.blocks(text)
+    assert kind == "headline" and paths == ["docs/bench_headline.json"] and start == end
