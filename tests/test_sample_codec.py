@@ -31,6 +31,7 @@ from april_slime.core.keys import TOKEN_VERSIONS_KEY
 from tests.support.slime_jobs import Cluster, make_args, point_at
 
 ROLLOUTS = 3
+MAX_ROLLOUTS = 8
 
 # The cluster whose weights ``bump_on_first_reward`` updates, and what it saw when it did.
 BUMP: dict = {}
@@ -79,22 +80,31 @@ def check_sample(cluster: Cluster, args, s, position: int, versions: list[int]) 
     assert list(s.rollout_log_probs) == lps, f"sample {s.index}: rollout_log_probs differ from the engine's"
 
 
-def run_rollouts(cluster: Cluster, args, source) -> list:
+def run_rollouts(cluster: Cluster, args, source, until=None) -> list:
     """``ROLLOUTS`` training rollouts with a weight update before each later one, as slime's
-    train.py does; returns the trained groups of every rollout."""
+    train.py does; returns the trained groups of every rollout. With ``until`` (a test of the
+    trained groups so far), rollouts go on (at most ``MAX_ROLLOUTS``) until it holds: on a
+    starved machine a step can end every request before its target aborts one with tokens."""
     trained = []
-    for rollout_id in range(ROLLOUTS):
+    for rollout_id in range(MAX_ROLLOUTS):
+        if rollout_id >= ROLLOUTS and (until is None or until(trained)):
+            break
         if rollout_id:
             cluster.bump(rollout_id + 1)
         trained.extend(rollout.generate_rollout(args, rollout_id, source).samples)
     return trained
 
 
+def spans_versions(trained: list) -> bool:
+    """Whether some trained sample holds tokens of two policy versions (a resumed partial)."""
+    return any(len({v for v, _ in s.train_metadata[TOKEN_VERSIONS_KEY]}) > 1 for g in trained for s in g)
+
+
 @pytest.mark.parametrize("policy", ["april", "copris"])
 def test_trained_samples_carry_the_engines_log_probs_in_order(cluster, tmp_path, prompts, policy):
     args = point_at(make_args(tmp_path, prompts, april_policy=policy, april_over_sampling_factor=3.0), cluster)
     source = rollout.AprilDataSource(args)
-    trained = run_rollouts(cluster, args, source)
+    trained = run_rollouts(cluster, args, source, until=spans_versions)
     checked = multi_version = 0
     for group in trained:
         for position, s in enumerate(group):
