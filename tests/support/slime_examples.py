@@ -66,8 +66,17 @@ def import_examples(folder: Path) -> dict[str, object]:
 
 
 def forget_examples(folder: Path | None = None) -> None:
+    """The example modules out of ``sys.modules`` (and ``folder`` off ``sys.path``); slime's
+    ``load_function`` forgets what it loaded too, since it caches by path: a later job would
+    otherwise call the functions of modules imported before, with their configuration."""
     for name in EXAMPLE_MODULES:
         sys.modules.pop(name, None)
+    try:
+        from slime.utils.misc import load_function
+    except ImportError:  # no slime: nothing was loaded through it
+        pass
+    else:
+        getattr(load_function, "cache_clear", lambda: None)()  # slime_standin's does not cache
     if folder is not None:
         for sub in FOLDERS.values():
             while str(folder / sub) in sys.path:
