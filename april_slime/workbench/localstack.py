@@ -29,6 +29,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -87,10 +88,24 @@ class ServerStartError(RuntimeError):
     """A server process died or did not answer in time; the message carries its log's tail."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", *, below: int | None = None) -> int:
+    """A port nothing listens on now. ``below`` bounds it: the kernel's ephemeral range reaches 60999,
+    and some servers derive further ports from theirs (SGLang 0.5.15 refuses to start when its
+    --port + 10000, the gRPC port it derives, passes 65535)."""
+    if below is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    for _ in range(200):
+        # below the ephemeral range (32768 up), so no outgoing connection holds the port meanwhile
+        candidate = random.randrange(20000, min(below, 32768))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, candidate))
+            except OSError:
+                continue
+            return candidate
+    raise OSError(f"no free port on {host} in 20000-{min(below, 32768) - 1} after 200 tries")
 
 
 def _get_json(url: str, timeout: float = 5.0) -> Any:
@@ -171,6 +186,11 @@ class _Process:
                 self.log_path.unlink()
 
 
+# SGLang derives ports from --port (+10000 for gRPC in 0.5.15, +233 for DP attention); an engine's
+# own port stays low enough that all of them are valid.
+ENGINE_PORT_LIMIT = 65535 - 10000
+
+
 class LocalEngine:
     """One SGLang 0.5.23 CPU engine serving ``model_path`` in a subprocess.
 
@@ -228,7 +248,7 @@ class LocalEngine:
     def launch(self) -> "LocalEngine":
         """Start the process without waiting (``wait_ready`` waits); lets several engines boot at once."""
         if self.port is None or self._fixed_port is None:
-            self.port = free_port(self.host)
+            self.port = free_port(self.host, below=ENGINE_PORT_LIMIT)
         self._process.launch(self.command())
         return self
 
