@@ -67,17 +67,22 @@ def check_replayed(sample, vocab_size: int) -> bool:
     return len(set(versions)) > 1
 
 
-def run_steps(args, source, cluster, first: int, steps: int, most: int = 12) -> int:
+def run_steps(args, source, cluster, first: int, steps: int, most: int = 12) -> tuple[int, list[str]]:
     """``steps`` steps with a weight push after each, and more (``most`` in all) until a trained
-    sample spans several versions; returns how many did."""
-    spanning = 0
+    sample spans several versions; returns how many did, and per step what was trained and what
+    stayed buffered (the diagnosis when none did)."""
+    spanning, log = 0, []
     for rollout_id in range(first, first + most):
         if rollout_id >= first + steps and spanning:
             break
         output = rollout.generate_rollout(args, rollout_id, source)
-        spanning += sum(check_replayed(s, cluster.vocab_size) for g in output.samples for s in g)
+        trained = [s for g in output.samples for s in g]
+        spanning += sum(check_replayed(s, cluster.vocab_size) for s in trained)
+        versions = sorted({v for s in trained for v, _ in s.train_metadata[TOKEN_VERSIONS_KEY]})
+        log.append(f"step {rollout_id}: {len(trained)} trained, versions {versions}, "
+                   f"{source.buffer.num_partial_trajectories()} partials buffered")
         cluster.bump(rollout_id + 2)
-    return spanning
+    return spanning, log
 
 
 @pytest.mark.parametrize("policy", ["copris", "april"])
@@ -87,8 +92,8 @@ def test_every_position_is_replayed_from_the_segment_that_generated_it(moe_clust
                               april_concurrency=24 if policy == "copris" else None, rollout_top_p=0.9, **MOE),
                     moe_cluster)
     source = rollout.AprilDataSource(args)
-    spanning = run_steps(args, source, moe_cluster, 0, 3)
-    assert spanning > 0, "no trained sample was resumed under new weights; the test needs one"
+    spanning, log = run_steps(args, source, moe_cluster, 0, 3)
+    assert spanning > 0, "no trained sample was resumed under new weights; the test needs one:\n" + "\n".join(log)
 
 
 def test_replay_data_survives_a_restart(moe_cluster, tmp_path, prompts):
@@ -110,7 +115,8 @@ def test_replay_data_survives_a_restart(moe_cluster, tmp_path, prompts):
             if t.response_ids}
     assert kept == {t.uid: bytes(t.replay.routed) for t in partial}
     # completed surplus groups go first; the partials are resumed (under version 2) after them
-    assert run_steps(restarted, source2, moe_cluster, 1, 2) > 0
+    spanning, log = run_steps(restarted, source2, moe_cluster, 1, 2)
+    assert spanning > 0, "no restored partial was trained under new weights:\n" + "\n".join(log)
 
 
 def test_a_checkpoint_without_replay_restarts_its_partials(moe_cluster, tmp_path, prompts):
