@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Which blocks each document must carry: removing one is as wrong as editing it.
 REQUIRED = {
-    "README.md": {"headline", "reproduce-summary"},
+    "README.md": {"headline", "reproduce-summary", "multi-turn"},
     "docs/bench.md": {"headline", "reproduce-table", "reproduce-statistics", "reproduce-absolute", "fit",
-                      "cpu-engine"},
+                      "cpu-engine", "multi-turn"},
 }
 
 

@@ -34,6 +34,7 @@ from tests.support.real_tier import (
     LocalStack,
     RealStack,
     build_tiny_qwen3,
+    load_hf_models,
     local_stack,
 )
 
@@ -109,6 +110,12 @@ def real_stack(tmp_path_factory) -> RealStack:
     with local_stack(model, n_engines=n, max_running_requests=MAX_RUNNING_REQUESTS,
                      max_total_tokens=MAX_TOTAL_TOKENS, log_dir=root / "logs") as stack:
         yield RealStack(stack, model, other)
+
+
+@pytest.fixture(scope="session")
+def hf_models(real_stack) -> dict:
+    """The stack's weights A and B in transformers (``load_hf_models``), for log-prob checks."""
+    return load_hf_models(real_stack)
 
 
 @pytest.fixture(scope="session")

@@ -18,16 +18,6 @@ from tests.support.real_tier import SlimeRolloutManager, plugin_args, token_logp
 TOLERANCE = 1e-4  # float32 CPU engine vs float32 transformers
 
 
-@pytest.fixture(scope="module")
-def hf_models(real_stack):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
-    return {"A": load(real_stack.model_path), "B": load(real_stack.other_model_path)}
-
-
 @pytest.mark.parametrize("policy", ["april", "copris"])
 def test_a_multi_turn_function_trains_exact_tokens_across_aborts_and_weight_pushes(real_stack, hf_models,
                                                                                   tmp_path, policy):

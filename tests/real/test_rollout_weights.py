@@ -15,7 +15,9 @@ import pytest
 
 from april_slime import rollout
 from april_slime.core.engine import EngineClient
-from april_slime.core.keys import TOKEN_VERSIONS_KEY
+from tests.support.real_tier import (
+    LOGPROB_TOLERANCE as TOLERANCE,
+)
 from tests.support.real_tier import (
     Placement,
     SlimeRolloutManager,
@@ -27,27 +29,11 @@ from tests.support.real_tier import (
     plugin_args,
     post_ok,
     prompt_token_bound,
+    steps_across_weight_pushes,
     token_logprobs,
     version_spans,
     wait_for_progress,
 )
-
-TOLERANCE = 1e-4  # float32 CPU engine vs float32 transformers; measured differences are ~3e-6
-
-
-@pytest.fixture(scope="module")
-def hf_models(real_stack):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
-    return {"A": load(real_stack.model_path), "B": load(real_stack.other_model_path)}
-
-
-def per_token_versions(sample) -> list[int]:
-    runs = sample.train_metadata[TOKEN_VERSIONS_KEY]
-    return [v for v, c in runs for _ in range(c)]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -60,44 +46,14 @@ def test_versions_exact_and_logprobs_match_transformers_across_weight_pushes(rea
     each token's log-prob must come from the weights of the version recorded for it. At
     temperature 0.7 every log-prob, the resumed samples' included, is of the temperature-scaled
     distribution of its version's weights (what slime's trainer recomputes)."""
-    v0 = real_stack.weight_version()
-    # three steps at least, weights B and A pushed in turn; a fast engine can end every request of
-    # a step before its target aborts one with tokens, so steps go on (at most eight) until a
-    # sample was resumed across a weight push
-    weights_of = {v0 + k: "AB"[k % 2] for k in range(8)}
     m = SlimeRolloutManager(plugin_args(real_stack, tmp_path, settings={"april_policy": "copris",
                                                                         "april_concurrency": 16},
                                         batch=4, n=2, max_len=200,
                                         extra_argv=["--rollout-temperature", str(temperature)]))
-    mixed = 0
-    try:
-        for step, version in enumerate(weights_of):
-            if step >= 3 and mixed:
-                break
-            if version != v0:
-                real_stack.wait_idle()  # SGLang refuses to flush its cache while a request is on the engine
-                model = real_stack.other_model_path if weights_of[version] == "B" else real_stack.model_path
-                real_stack.push_weights(model, version)
-            samples, metrics, _ = m.generate(step)
-            assert metrics["april/policy_version"] == version
-            for s in samples:
-                versions = per_token_versions(s)
-                assert set(versions) <= set(weights_of) and max(versions) <= version
-                assert [int(v) for v in s.weight_versions] == sorted(int(v) for v in s.weight_versions)
-                mixed += len(set(versions)) > 1
-                for v in set(versions):
-                    expected = token_logprobs(hf_models[weights_of[v]], s.tokens, s.response_length, temperature)
-                    for i, (got, want, tv) in enumerate(zip(s.rollout_log_probs, expected, versions)):
-                        if tv == v:
-                            assert abs(got - want) < TOLERANCE, (
-                                f"sample {s.index} token {i} (version {v}, weights {weights_of[v]}): "
-                                f"rollout log-prob {got} vs transformers {want}")
-    finally:
-        rollout.shutdown()
-        real_stack.wait_idle()
-        real_stack.restore_weights()
+    steps, mixed = steps_across_weight_pushes(real_stack, m, hf_models, temperature=temperature,
+                                              check_step=lambda samples, train: None)
     assert m.manager.args.rollout_temperature == temperature
-    assert mixed > 0, "no sample mixed policy versions; the cross-version check did not happen"
+    assert mixed > 0, f"no sample mixed policy versions in {steps} steps; the cross-version check did not happen"
 
 
 def test_versions_exact_when_weights_change_mid_request(real_stack, hf_models):

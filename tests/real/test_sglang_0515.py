@@ -24,9 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from april_slime import rollout
 from april_slime.core.engine import EngineClient
-from april_slime.core.keys import TOKEN_VERSIONS_KEY
 from april_slime.workbench.localstack import local_stack
 from tests.support import ROOT
 from tests.support.real_tier import (
@@ -37,11 +35,10 @@ from tests.support.real_tier import (
     check_slime_contract,
     http_json,
     plugin_args,
-    token_logprobs,
+    steps_across_weight_pushes,
 )
 
 VERSION = "0.5.15.post1"
-TOLERANCE = 1e-4
 POINTER = ROOT / ".venv" / f"sglang-{VERSION}-python"
 
 
@@ -67,16 +64,6 @@ def old_stack(real_stack, tmp_path_factory) -> RealStack:
         yield RealStack(stack, real_stack.model_path, real_stack.other_model_path)
 
 
-@pytest.fixture(scope="module")
-def hf_models(real_stack):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
-    return {"A": load(real_stack.model_path), "B": load(real_stack.other_model_path)}
-
-
 async def test_replies_and_control_paths_of_0515(old_stack):
     """What the client reads from 0.5.15.post1: a reply with the version and no spans, a queued
     abort, the weight version from /model_info after /get_weight_version's 404."""
@@ -100,46 +87,22 @@ async def test_replies_and_control_paths_of_0515(old_stack):
 
 @pytest.mark.parametrize("dispatch", ["direct"])
 def test_rollout_contract_and_fallback_versions_on_0515(old_stack, hf_models, tmp_path, dispatch):
-    v0 = old_stack.weight_version()
-    # three steps at least, weights B and A pushed in turn; a fast engine can end every request of
-    # a step before its target aborts one with tokens, so steps go on (at most eight) until a
-    # sample was resumed across a weight push
-    weights_of = {v0 + k: "AB"[k % 2] for k in range(8)}
     batch, n, max_len = 4, 2, 200
     m = SlimeRolloutManager(plugin_args(old_stack, tmp_path, settings={
         "april_policy": "copris", "april_concurrency": 16, "april_dispatch": dispatch},
         batch=batch, n=n, max_len=max_len))
-    seen, mixed = set(), 0
+    seen: set[int] = set()
+
+    def check_step(samples, train):
+        check_slime_contract(samples, train, tokenizer=old_stack.tokenizer, batch=batch, n=n, max_len=max_len,
+                             prompt_of=lambda s: s.prompt)
+        groups = {s.group_index for s in samples}
+        assert not groups & seen, "a prompt group trained twice"
+        seen.update(groups)
+
     old_stack.wait_idle()
-    try:
-        for step, version in enumerate(weights_of):
-            if step >= 3 and mixed:
-                break
-            if version != v0:
-                old_stack.wait_idle()  # SGLang refuses to flush its cache while a request is on the engine
-                old_stack.push_weights(old_stack.other_model_path if weights_of[version] == "B"
-                                       else old_stack.model_path, version)
-            samples, metrics, train = m.generate(step)
-            assert metrics["april/policy_version"] == version
-            check_slime_contract(samples, train, tokenizer=old_stack.tokenizer, batch=batch, n=n, max_len=max_len,
-                                 prompt_of=lambda s: s.prompt)
-            groups = {s.group_index for s in samples}
-            assert not groups & seen, "a prompt group trained twice"
-            seen |= groups
-            for s in samples:
-                versions = [v for v, c in s.train_metadata[TOKEN_VERSIONS_KEY] for _ in range(c)]
-                assert set(versions) <= set(weights_of) and max(versions) <= version
-                mixed += len(set(versions)) > 1
-                for v in set(versions):
-                    expected = token_logprobs(hf_models[weights_of[v]], s.tokens, s.response_length)
-                    for i, (got, want, tv) in enumerate(zip(s.rollout_log_probs, expected, versions)):
-                        if tv == v:
-                            assert abs(got - want) < TOLERANCE, f"sample {s.index} token {i} (version {v})"
-    finally:
-        rollout.shutdown()
-        old_stack.wait_idle()
-        old_stack.restore_weights()
-    assert mixed > 0, f"no sample was resumed across a weight push in {step + 1} steps; the abort-and-resume " \
+    steps, mixed = steps_across_weight_pushes(old_stack, m, hf_models, check_step=check_step)
+    assert mixed > 0, f"no sample was resumed across a weight push in {steps} steps; the abort-and-resume " \
                       "path did not run"
 
 

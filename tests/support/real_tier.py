@@ -371,6 +371,65 @@ def _check_train_data(samples, train, loss_masks: list[list[int]]) -> None:
     assert train["metadata"] == [s.train_metadata for s in samples]
 
 
+# float32 CPU engine vs float32 transformers; measured differences are ~3e-6
+LOGPROB_TOLERANCE = 1e-4
+
+
+def load_hf_models(stack: "RealStack") -> dict[str, Any]:
+    """The stack's two weight sets in transformers, "A" (what it starts with) and "B"."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
+    return {"A": load(stack.model_path), "B": load(stack.other_model_path)}
+
+
+def steps_across_weight_pushes(stack: "RealStack", manager, hf_models: dict[str, Any], *, check_step,
+                               temperature: float = 1.0, least: int = 3, most: int = 8) -> tuple[int, int]:
+    """Rollout steps of ``manager`` (a ``SlimeRolloutManager``) with weights B and A pushed in turn
+    under new integer versions before every step but the first: ``least`` steps, and more (``most``
+    in all) until a trained sample holds tokens of two versions, since a fast engine can end every
+    request of a step before its target aborts one with tokens. ``check_step(samples, train)``
+    checks each step's batch; here every token's version is one the step could have seen and its
+    log-prob the one transformers computes under that version's weights. Returns (steps run,
+    samples that span versions); the weights are put back either way."""
+    v0 = stack.weight_version()
+    weights_of = {v0 + k: "AB"[k % 2] for k in range(most)}
+    steps = mixed = 0
+    try:
+        for step, version in enumerate(weights_of):
+            if step >= least and mixed:
+                break
+            if version != v0:
+                stack.wait_idle()  # SGLang refuses to flush its cache while a request is on the engine
+                stack.push_weights(stack.other_model_path if weights_of[version] == "B" else stack.model_path,
+                                   version)
+            samples, metrics, train = manager.generate(step)
+            steps += 1
+            assert metrics["april/policy_version"] == version
+            check_step(samples, train)
+            for s in samples:
+                versions = [v for v, c in s.train_metadata[TOKEN_VERSIONS_KEY] for _ in range(c)]
+                assert set(versions) <= set(weights_of) and max(versions) <= version
+                assert [int(v) for v in s.weight_versions] == sorted(int(v) for v in s.weight_versions)
+                mixed += len(set(versions)) > 1
+                for v in set(versions):
+                    expected = token_logprobs(hf_models[weights_of[v]], s.tokens, s.response_length, temperature)
+                    for i, (got, want, tv) in enumerate(zip(s.rollout_log_probs, expected, versions)):
+                        if tv == v:
+                            assert abs(got - want) < LOGPROB_TOLERANCE, (
+                                f"sample {s.index} token {i} (version {v}, weights {weights_of[v]}): "
+                                f"rollout log-prob {got} vs transformers {want}")
+    finally:
+        from april_slime import rollout
+
+        rollout.shutdown()
+        stack.wait_idle()
+        stack.restore_weights()
+    return steps, mixed
+
+
 def token_logprobs(model, tokens: list[int], response_length: int, temperature: float = 1.0) -> list[float]:
     """log p(token_t | tokens_<t) for the response tokens, from logits / temperature."""
     import torch

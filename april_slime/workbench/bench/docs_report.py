@@ -151,13 +151,17 @@ def multiturn(data: dict[str, Any]) -> str:
         rows.append([policy, show("multi_turn"), show("single_turn"), show("gain")])
     table = _table(["policy", "vs sync, multi-turn", "vs sync, single turn of equal tokens",
                     "multi-turn gain / single-turn gain"], rows)
-    sides = [band[side]["policies"][p]["stationary_everywhere"] for side in ("multi_turn", "single_turn")
-             for p in band[side]["policies"]]
+    runs = [(side.replace("_", "-"), name, policy, summary) for side in ("multi_turn", "single_turn")
+            for name, by_policy in band[side]["runs"].items() for policy, summary in by_policy.items()]
+    unsteady = [f"{policy} {side} ({name})" for side, name, policy, summary in runs if not summary["stationary"]]
+    steps = data["workload"]["steps"]
+    steady = ("Every run stationary." if not unsteady else
+              f"Not stationary in {steps} steps (the partial buffer still trended over the second half), "
+              f"{len(unsteady)} of {len(runs)} runs: {', '.join(unsteady)}.")
     e = data["episodes"]
     return (table + f"\n\nNominal value (min-max over {len(band['multi_turn']['variants'])} variants). Episodes: "
             f"{e['turns_mean']:.2f} turns and {e['model_tokens_mean']:,.0f} model tokens on average, "
-            f"{e['tool_s_per_episode_mean']:.1f} s of tools per episode. Every run stationary: "
-            f"{'yes' if all(sides) else 'no'}.")
+            f"{e['tool_s_per_episode_mean']:.1f} s of tools per episode. {steady}")
 
 
 # ============================================================================ the fit
