@@ -117,7 +117,9 @@ class EngineWatch:
         now = self.loop.time() + 1e-3
         for url, deadline in self._stall_deadlines().items():
             if now >= deadline:
-                logger.warning("engine %s: %d requests in flight and no reply for %.0f s; probing it",
+                # info, not a warning: a long response (16K tokens at a few hundred tokens/s) is
+                # silent this long on a healthy engine; a failed probe warns (``exclude``)
+                logger.info("engine %s: %d requests in flight and no reply for %.0f s; probing it",
                                url, self.in_flight[url], now - self.last_activity[url])
                 self.start_probe(url)
 
