@@ -32,13 +32,18 @@ from april_slime import rollout
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
 from april_slime.generate_functions import GenerateFunctions
 from tests.support import tag_policy
-from tests.support.real_tier import SlimeRolloutManager, check_multi_turn_contract, plugin_args, token_logprobs
+from tests.support.real_tier import (
+    LOGPROB_TOLERANCE,
+    SlimeRolloutManager,
+    check_multi_turn_contract,
+    plugin_args,
+    token_logprobs,
+)
 from tests.support.slime_examples import RetrievalStub, extract_examples, forget_examples, import_examples, mask_runs
 
 PER_CALL = 48  # rollout_max_response_len: the budget of each model call
 RESTART_AFTER = 2  # job 1 runs steps 0..2, saves and dies; job 2 loads and runs on
 MIN_STEPS, MAX_STEPS = 6, 12
-TOLERANCE = 1e-4  # float32 CPU engine vs float32 transformers
 SEARCH, RETOOL = "generate_with_search", "generate_with_retool"
 
 
@@ -82,7 +87,7 @@ def hf_models(tag_weights, real_stack):
     models = {str(p): AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in tag_weights}
     ids = real_stack.tokenizer(tag_policy.search_prompt(7) + "<search> book 7 </search>")["input_ids"]
     a, b = (token_logprobs(m, ids, 10) for m in models.values())
-    assert max(abs(x - y) for x, y in zip(a, b)) > 100 * TOLERANCE
+    assert max(abs(x - y) for x, y in zip(a, b)) > 100 * LOGPROB_TOLERANCE
     return models
 
 
@@ -195,7 +200,7 @@ def check_episode(fn: Function, s, models: dict[int, object], seen: dict, tokeni
             expected = full[v][a:b] if own else token_logprobs(models[v], context + response[a:b], b - a)
             for k, (got, want) in enumerate(zip(s.rollout_log_probs[a:b], expected)):
                 if versions[a + k] == v:
-                    assert abs(got - want) < TOLERANCE, (
+                    assert abs(got - want) < LOGPROB_TOLERANCE, (
                         f"sample {s.index} token {a + k} (version {v}): rollout {got} vs transformers {want}; "
                         + diagnosis(s, models, context, own, a, b, k))
 
@@ -242,7 +247,6 @@ def test_slime_example_function_on_real_engines(real_stack, examples, retrieval,
                 m = SlimeRolloutManager(plugin_args(real_stack, tmp_path / "job", load=str(ckpt), **job))
                 m.load(RESTART_AFTER)
                 restored = set(m.data_source.restored_episodes)
-            real_stack.wait_idle()
             real_stack.push_weights(weights[step], version_of[step])
             samples, metrics, train = m.generate(step)
             seen["steps"] += 1
@@ -264,7 +268,6 @@ def test_slime_example_function_on_real_engines(real_stack, examples, retrieval,
         not_reopened = set(rollout._RUNTIME.episodes.restored)
     finally:
         rollout.shutdown()
-        real_stack.wait_idle()
         real_stack.restore_weights()
 
     assert len(trained) == len(set(trained)), "a group was trained twice"

@@ -24,6 +24,7 @@ from april_slime.core.config import AprilConfigError
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
 from tests.support.real_tier import (
     EOS_RATE,
+    LOGPROB_TOLERANCE,
     RealStack,
     SlimeRolloutManager,
     build_tiny_qwen3,
@@ -35,7 +36,6 @@ from tests.support.real_tier import (
 
 LAYERS, EXPERTS, TOPK = 2, 8, 2
 MOE = dict(num_layers=LAYERS, moe_router_topk=TOPK)  # slime's Megatron model arguments
-TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,7 @@ def test_sglang_returns_no_top_p_kept_ids_and_the_job_stops_at_its_first_step(mo
     weights = hf_moe["A"] if int(meta["weight_version"]) == moe_stack.weight_version() else None
     assert weights is not None
     full = token_logprobs(weights, tokens, n)
-    assert max(abs(a - b) for a, b in zip(got, full)) < TOLERANCE
+    assert max(abs(a - b) for a, b in zip(got, full)) < LOGPROB_TOLERANCE
     # ... not of the nucleus slime's trainer renormalises over (what its patched SGLang returns)
     with torch.no_grad():
         probs = torch.softmax(weights(input_ids=torch.tensor([tokens[:-1]])).logits[0, len(prompt) - 1:], dim=-1)

@@ -24,7 +24,6 @@ def test_recorded_replies_match_the_live_engine(real_stack):
                                           new_weights_path=str(real_stack.other_model_path),
                                           weight_version=start))
     finally:
-        real_stack.wait_idle()
         real_stack.restore_weights()
     assert golden_differences(live, recorded["scenarios"]) == []
     for name, scenario in recorded["scenarios"].items():

@@ -16,9 +16,7 @@ import pytest
 from april_slime import rollout
 from april_slime.core.engine import EngineClient
 from tests.support.real_tier import (
-    LOGPROB_TOLERANCE as TOLERANCE,
-)
-from tests.support.real_tier import (
+    LOGPROB_TOLERANCE,
     Placement,
     SlimeRolloutManager,
     continue_generation,
@@ -120,7 +118,6 @@ def test_versions_exact_when_weights_change_mid_request(real_stack, hf_models):
     try:
         result = asyncio.run(run())
     finally:
-        real_stack.wait_idle()
         real_stack.restore_weights()
     versions = [v for v, c in result.version_runs for _ in range(c)]
     assert set(versions) == {v0, v0 + 1}, f"the update did not land inside the request: {result.version_runs}"
@@ -132,16 +129,16 @@ def test_versions_exact_when_weights_change_mid_request(real_stack, hf_models):
     tokens = prompt + list(result.output_ids)
     under_a = token_logprobs(hf_models["A"], tokens, len(versions))
     # The first token really computed under B: the first one A's log-prob does not explain.
-    first_b = next(i for i, (got, a) in enumerate(zip(result.logprobs, under_a)) if abs(got - a) > TOLERANCE)
+    first_b = next(i for i, (got, a) in enumerate(zip(result.logprobs, under_a)) if abs(got - a) > LOGPROB_TOLERANCE)
     # SGLang 0.5.23 (overlap scheduler) labels the last token computed before the pause with the
     # new version already: its span starts one token early. Exact otherwise.
     assert first_b - switch in (0, 1), f"span says version {v0 + 1} from token {switch}, B from {first_b}"
     # From there the engine computes with B on top of the KV cache A wrote for the prefix (the
     # in-place update keeps it): those tokens are B reading A's keys and values, not B alone.
     after = stale_cache_logprobs(hf_models["A"], hf_models["B"], tokens, len(prompt) + first_b)
-    assert max(abs(a - b) for a, b in zip(result.logprobs[first_b:], after)) < TOLERANCE
+    assert max(abs(a - b) for a, b in zip(result.logprobs[first_b:], after)) < LOGPROB_TOLERANCE
     pure_b = token_logprobs(hf_models["B"], tokens, len(versions))[first_b:]
-    assert max(abs(a - b) for a, b in zip(result.logprobs[first_b:], pure_b)) > 100 * TOLERANCE
+    assert max(abs(a - b) for a, b in zip(result.logprobs[first_b:], pure_b)) > 100 * LOGPROB_TOLERANCE
 
 
 def test_versions_exact_when_weights_change_mid_request_inside_a_rollout(real_stack, long_weights, tmp_path):
@@ -189,7 +186,6 @@ def test_versions_exact_when_weights_change_mid_request_inside_a_rollout(real_st
                 break
     finally:
         rollout.shutdown()
-        real_stack.wait_idle()
         real_stack.restore_weights()
     assert placed, f"in {attempts} steps the poll never saw the requests running with {each} tokens each"
     hf_a = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32).eval()
@@ -204,11 +200,12 @@ def test_versions_exact_when_weights_change_mid_request_inside_a_rollout(real_st
         under_a = token_logprobs(hf_a, s.tokens, s.response_length)
         n_a = spans[s.index][0][1]
         worst = max(abs(x - y) for x, y in zip(s.rollout_log_probs[:n_a], under_a[:n_a]))
-        assert worst < TOLERANCE, f"sample {s.index}: a token recorded under A is not A's ({worst}); {spans[s.index]}"
+        assert worst < LOGPROB_TOLERANCE, (f"sample {s.index}: a token recorded under A is not A's ({worst}); "
+                                           f"{spans[s.index]}")
         # SGLang labels the last token before the pause with the new version already (see above);
         # from the next one on, the tokens are computed by B
         later = max(abs(x - y) for x, y in zip(s.rollout_log_probs[n_a + 1:], under_a[n_a + 1:]))
-        assert later > 100 * TOLERANCE, f"sample {s.index}: tokens recorded under B are A's; {spans[s.index]}"
+        assert later > 100 * LOGPROB_TOLERANCE, f"sample {s.index}: tokens recorded under B are A's; {spans[s.index]}"
 
 
 def stale_cache_logprobs(old, new, tokens: list[int], first_new: int) -> list[float]:
@@ -241,6 +238,6 @@ def test_rollout_logprobs_at_temperature_are_of_the_scaled_distribution(real_sta
         worst_scaled = max(worst_scaled, max(abs(a - b) for a, b in zip(got, scaled)))
         worst_raw = max(worst_raw, max(abs(a - b) for a, b in zip(got, raw)))
     # slime's trainer recomputes log_softmax(logits / rollout_temperature): like with like
-    assert worst_scaled < TOLERANCE, worst_scaled
-    assert worst_raw > 100 * TOLERANCE, "at this temperature raw and scaled log-probs should differ"
+    assert worst_scaled < LOGPROB_TOLERANCE, worst_scaled
+    assert worst_raw > 100 * LOGPROB_TOLERANCE, "at this temperature raw and scaled log-probs should differ"
     assert all(math.isfinite(x) for s in samples for x in s.rollout_log_probs)

@@ -120,6 +120,5 @@ def test_recorded_0515_replies_match_the_live_engine(old_stack):
         live = asyncio.run(golden_replies(old_stack.engine_urls[0], max_running_requests=MAX_RUNNING_REQUESTS,
                                           new_weights_path=str(old_stack.other_model_path), weight_version=start))
     finally:
-        old_stack.wait_idle()
         old_stack.restore_weights()
     assert golden_differences(live, recorded["scenarios"]) == []

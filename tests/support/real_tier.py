@@ -104,8 +104,10 @@ class RealStack:
         return versions[0]
 
     def push_weights(self, model_path: str | os.PathLike, version: int) -> None:
-        """What slime's disk-based weight update does: every engine loads ``model_path`` and
-        reports ``version`` from then on (SGLang waits for running requests to finish first)."""
+        """What slime's disk-based weight update does: once the engines are idle (SGLang refuses to
+        flush its cache while a request is on an engine; slime's abort likewise polls the engines
+        until idle), every engine loads ``model_path`` and reports ``version`` from then on."""
+        self.wait_idle()
         for url in self.engine_urls:
             status, reply = http_json("POST", f"{url}/update_weights_from_disk",
                                       {"model_path": str(model_path), "weight_version": str(version)})
@@ -402,7 +404,6 @@ def steps_across_weight_pushes(stack: "RealStack", manager, hf_models: dict[str,
             if step >= least and mixed:
                 break
             if version != v0:
-                stack.wait_idle()  # SGLang refuses to flush its cache while a request is on the engine
                 stack.push_weights(stack.other_model_path if weights_of[version] == "B" else stack.model_path,
                                    version)
             samples, metrics, train = manager.generate(step)
@@ -425,7 +426,6 @@ def steps_across_weight_pushes(stack: "RealStack", manager, hf_models: dict[str,
         from april_slime import rollout
 
         rollout.shutdown()
-        stack.wait_idle()
         stack.restore_weights()
     return steps, mixed
 
