@@ -22,8 +22,6 @@ from april_slime.samples import SampleCodec, Slime, leaves, replay_spec
 
 logger = logging.getLogger(__name__)
 
-logger = logging.getLogger(__name__)
-
 
 def load_config(args: Any) -> AprilConfig:
     """The validated plugin settings of a slime job, cross-checked with slime's own arguments.
