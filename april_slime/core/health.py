@@ -120,7 +120,7 @@ class EngineWatch:
                 # info, not a warning: a long response (16K tokens at a few hundred tokens/s) is
                 # silent this long on a healthy engine; a failed probe warns (``exclude``)
                 logger.info("engine %s: %d requests in flight and no reply for %.0f s; probing it",
-                               url, self.in_flight[url], now - self.last_activity[url])
+                            url, self.in_flight[url], now - self.last_activity[url])
                 self.start_probe(url)
 
     def probe_excluded(self) -> None:

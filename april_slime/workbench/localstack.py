@@ -96,16 +96,16 @@ def free_port(host: str = "127.0.0.1", *, below: int | None = None) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             return s.getsockname()[1]
+    top = min(below, 32768)  # below the ephemeral range too, so no outgoing connection takes the port
     for _ in range(200):
-        # below the ephemeral range (32768 up), so no outgoing connection holds the port meanwhile
-        candidate = random.randrange(20000, min(below, 32768))
+        candidate = random.randrange(20000, top)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, candidate))
             except OSError:
                 continue
             return candidate
-    raise OSError(f"no free port on {host} in 20000-{min(below, 32768) - 1} after 200 tries")
+    raise OSError(f"no free port on {host} in 20000-{top - 1} after 200 tries")
 
 
 def _get_json(url: str, timeout: float = 5.0) -> Any:
