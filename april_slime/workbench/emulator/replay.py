@@ -19,9 +19,10 @@ with ``top_p`` < 1). Both are pure functions of ``(seed, weight version, positio
 from __future__ import annotations
 
 import base64
-import struct
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from april_slime.core.replay import int32_bytes
 
 from .model import _mix_scalar
 
@@ -96,4 +97,5 @@ def _token_versions(runs: list, n: int) -> list[int]:
 
 
 def _b64_int32(values: list[int]) -> str:
-    return base64.b64encode(struct.pack(f"<{len(values)}i", *values)).decode("ascii")
+    """As SGLang sends int32 arrays: base64 of little-endian int32 (``core.replay`` reads them)."""
+    return base64.b64encode(int32_bytes(values)).decode("ascii")
