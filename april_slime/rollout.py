@@ -161,11 +161,16 @@ class _Runtime:
     async def _connect(self) -> None:
         """(Re)discover the engines behind slime's router at each step, so engines that slime's
         fault tolerance restarted on new ports are picked up."""
-        from april_slime.core.engine import EngineClient
+        from april_slime.core.engine import EngineClient, EngineWait
 
         await self._start_episodes()
+        if self.client is None:  # job start: the engines slime started may not be listed yet
+            wait = EngineWait(expected=engines_slime_started(self.args), deadline_s=self.config.engine_wait_s,
+                              stable_reads=3)
+        else:  # later steps take what is listed (an engine slime is restarting joins when listed)
+            wait = EngineWait(deadline_s=self.config.engine_wait_s)
         fresh = await EngineClient.from_router(
-            self.router_url, dispatch=self.config.dispatch, hints=deployment_hints(self.args),
+            self.router_url, dispatch=self.config.dispatch, hints=deployment_hints(self.args), wait=wait,
             timeout_s=self.config.request_timeout_s, max_retries=self.config.max_retries,
             retry_backoff_s=self.config.retry_backoff_s, vocab_size=_vocab_size(self.codec),
             replay=self.codec.replay)
@@ -408,6 +413,21 @@ def deployment_hints(args: Any) -> DeploymentHints:
         or bool(getattr(args, "router_pd_disaggregation", False)),
         dp_aware_router=bool(getattr(args, "router_dp_aware", False)),
         router_policy=getattr(args, "router_policy", None))
+
+
+def engines_slime_started(args: Any) -> int | None:
+    """How many engines slime's launcher registers with its router, where its own arguments say:
+    one per ``--rollout-num-gpus-per-engine`` GPUs of ``--rollout-num-gpus`` (an engine spanning nodes
+    registers once, from its first node). None where the layout comes from elsewhere (``--sglang-config``,
+    PD disaggregation, external engines): then the first list that stays the same is taken."""
+    if (getattr(args, "sglang_config", None) is not None or getattr(args, "rollout_external", False)
+            or getattr(args, "prefill_num_servers", None) is not None):
+        return None
+    gpus = getattr(args, "rollout_num_gpus", None)
+    per_engine = getattr(args, "rollout_num_gpus_per_engine", None)
+    if not (isinstance(gpus, int) and isinstance(per_engine, int) and gpus >= per_engine >= 1):
+        return None
+    return gpus // per_engine
 
 
 def check_router_fields(dispatch: Any, args: Any) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import pytest
 from aiohttp import web
 
-from april_slime.core.engine import EngineClient
+from april_slime.core.engine import EngineClient, EngineWait
 from april_slime.core.sglang_protocol import (
     EngineError,
     EngineLoad,
@@ -534,10 +534,56 @@ async def test_from_router(server, server2, shape):
     assert client.max_retries == FAST["max_retries"]
 
 
-async def test_from_router_without_engines(server):
+async def test_from_router_without_engines_fails_at_the_deadline_saying_what_it_waited_for(server):
     server.script["/workers"] = [{"urls": []}]
-    with pytest.raises(EngineError, match="lists no engines"):
-        await EngineClient.from_router(server.url, **FAST)
+    with pytest.raises(EngineError, match=r"lists no engines after \d+ s of waiting for at least one engine"):
+        await EngineClient.from_router(server.url, wait=EngineWait(deadline_s=0.05, poll_s=0.01), **FAST)
+    assert worker_reads(server) >= 2  # it waited: read again before the deadline
+
+
+def worker_reads(server) -> int:
+    return sum(path == "/workers" for path, _ in server.requests)
+
+
+async def test_from_router_waits_for_the_engines_the_launcher_started(server, server2):
+    """slime registers an engine with POST /workers; sglang-router answers 202 and lists it only after
+    its health check. Here the router lists nothing, then one of the two engines, then both: the client
+    must take the list only once it holds both."""
+    other = "http://127.0.0.1:1"
+    server.script["/workers"] = [{"urls": []}, {"urls": [server2.url]}, {"urls": [server2.url]},
+                                 {"urls": [server2.url, other]}]
+    client = await EngineClient.from_router(server.url, wait=EngineWait(expected=2, poll_s=0.01), **FAST)
+    try:
+        assert sorted(client.engine_urls) == sorted([server2.url, other])
+        assert worker_reads(server) == 4
+    finally:
+        await client.close()
+
+
+async def test_from_router_short_of_the_expected_engines_names_what_it_has(server, server2):
+    server.script["/workers"] = [{"urls": [server2.url]}]
+    with pytest.raises(EngineError, match=r"lists 1 engine\(s\) .* waiting for the 2 engine\(s\) the launcher started"):
+        await EngineClient.from_router(server.url, wait=EngineWait(expected=2, deadline_s=0.05, poll_s=0.01), **FAST)
+
+
+async def test_from_router_without_a_count_takes_the_first_list_that_holds_still(server, server2):
+    other = "http://127.0.0.1:1"
+    # a DP-aware router lists an engine once per rank: still one engine, and the same list
+    server.script["/workers"] = [{"urls": [server2.url]}, {"urls": [server2.url, other]},
+                                 {"urls": [server2.url, other + "@0", other + "@1"]}, {"urls": [server2.url, other]}]
+    client = await EngineClient.from_router(server.url, wait=EngineWait(stable_reads=3, poll_s=0.01), **FAST)
+    try:
+        assert sorted(client.worker_urls) == sorted([server2.url, other])
+        assert worker_reads(server) == 4
+    finally:
+        await client.close()
+
+
+def test_engine_wait_refuses_nonsense():
+    with pytest.raises(ValueError):
+        EngineWait(expected=0)
+    with pytest.raises(ValueError):
+        EngineWait(poll_s=0)
 
 
 async def test_from_router_unreachable():

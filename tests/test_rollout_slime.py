@@ -179,6 +179,51 @@ def test_a_step_whose_engines_all_fail_to_report_their_version_raises_an_engine_
     assert len(trained) == len(set(trained)) == 2 * args.rollout_batch_size
 
 
+def test_the_first_step_waits_until_the_router_lists_every_engine_slime_started(cluster, tmp_path, prompts,
+                                                                            monkeypatch):
+    """slime registers each engine with POST /workers and carries on at the router's 202;
+    sglang-router lists an engine only after its own health check. Here the router lists no engine
+    at the first read and one of the two at the next three (a list that holds still): the first
+    step must wait for both (the count slime's --rollout-num-gpus / --rollout-num-gpus-per-engine
+    imply), not fail or start on one."""
+    from april_slime.workbench.emulator.server import RouterHandler
+
+    handle = RouterHandler.handle
+    reads: list[int] = []
+
+    async def registering(self, method, path, payload):
+        status, body = await handle(self, method, path, payload)
+        if path.rstrip("/") == "/workers":
+            reads.append(len(reads))
+            listed = {0: 0, 1: 1, 2: 1, 3: 1}.get(len(reads) - 1, len(body["workers"]))
+            body = {"workers": body["workers"][:listed], "total": listed}
+        return status, body
+
+    monkeypatch.setattr(RouterHandler, "handle", registering)
+    args = point_at(make_args(tmp_path, prompts, april_policy="copris", april_engine_wait_s=60.0,
+                              rollout_num_gpus=4, rollout_num_gpus_per_engine=2), cluster)
+    assert rollout.engines_slime_started(args) == 2
+    source = rollout.AprilDataSource(args)
+    output = rollout.generate_rollout(args, 0, source)
+    check_train_output(output, args, version=1)
+    assert len(reads) >= 5  # it read the list again until both engines were on it
+    assert len(rollout._RUNTIME.client.worker_urls) == 2
+
+
+@pytest.mark.parametrize("args, expected", [
+    (dict(rollout_num_gpus=8, rollout_num_gpus_per_engine=2), 4),
+    (dict(rollout_num_gpus=16, rollout_num_gpus_per_engine=16), 1),  # one engine over two nodes registers once
+    (dict(rollout_num_gpus=8, rollout_num_gpus_per_engine=2, prefill_num_servers=1), None),
+    (dict(rollout_num_gpus=8, rollout_num_gpus_per_engine=2, sglang_config="pd.yaml"), None),
+    (dict(rollout_num_gpus=8, rollout_num_gpus_per_engine=2, rollout_external=True), None),
+    (dict(rollout_num_gpus=None, rollout_num_gpus_per_engine=1), None),
+])
+def test_engines_slime_started_reads_slimes_own_layout(args, expected):
+    from types import SimpleNamespace
+
+    assert rollout.engines_slime_started(SimpleNamespace(**args)) == expected
+
+
 def test_group_reward_goes_through_batched_rm(cluster, tmp_path, prompts):
     args = point_at(make_args(tmp_path, prompts, group_rm=True,
                               custom_rm_path=f"{__name__}.group_parity_reward"), cluster)

@@ -117,6 +117,13 @@ class AprilConfig:
     retry_backoff_s: float = field(
         default=1.0, metadata={"help": "First retry delay; doubles on every retry (all the delays of "
                                        f"one call at most {MAX_TOTAL_RETRY_BACKOFF_S:.0f} s)."})
+    engine_wait_s: float = field(
+        default=300.0,
+        metadata={"help": "Longest wait, at job start, for slime's router to list the engines slime started "
+                          "(sglang-router queues a registration and lists the engine only after its own "
+                          "health check), in seconds; also the longest wait for a router that lists none "
+                          "later on."},
+    )
     buffer_dir: str | None = field(
         default=None,
         metadata={"help": "Folder of the data-source checkpoint (april_state_<rollout_id>.json: prompt "
@@ -283,6 +290,8 @@ class AprilConfig:
             _fail("request_timeout_s", f"must be a finite number > 0, got {self.request_timeout_s}")
         if not 0 <= self.max_retries <= MAX_RETRIES:
             _fail("max_retries", f"must be in 0..{MAX_RETRIES}, got {self.max_retries}")
+        if not (math.isfinite(self.engine_wait_s) and self.engine_wait_s > 0):
+            _fail("engine_wait_s", f"must be a finite number > 0, got {self.engine_wait_s}")
         if not (math.isfinite(self.retry_backoff_s) and self.retry_backoff_s >= 0):
             _fail("retry_backoff_s", f"must be a finite number >= 0, got {self.retry_backoff_s}")
         total_backoff = self.retry_backoff_s * (2 ** self.max_retries - 1)

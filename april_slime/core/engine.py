@@ -146,37 +146,100 @@ async def _call_with_retries(
     )
 
 
+@dataclass(frozen=True)
+class EngineWait:
+    """What ``from_router`` waits for before it takes the router's list of engines.
+
+    slime registers each engine it starts with ``POST {router}/workers`` and carries on at any 2xx;
+    sglang-router 0.3 answers ``202 Worker addition queued`` and lists the engine only after its own
+    health check, so a list read just after start-up can be short, or empty. The client therefore
+    reads ``/workers`` every ``poll_s`` until it lists ``expected`` engines (the number the launcher
+    started), or, where that number is unknown, until a non-empty list has read the same
+    ``stable_reads`` times in a row; past ``deadline_s`` it fails, saying what it waited for."""
+
+    expected: int | None = None
+    deadline_s: float = 300.0
+    poll_s: float = 0.5
+    stable_reads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.expected is not None and self.expected < 1:
+            raise ValueError(f"expected must be >= 1 or None, got {self.expected}")
+        if not (self.deadline_s >= 0 and self.poll_s > 0 and self.stable_reads >= 1):
+            raise ValueError(f"bad engine wait {self}")
+
+    def describe(self) -> str:
+        if self.expected is not None:
+            return f"the {self.expected} engine(s) the launcher started"
+        if self.stable_reads > 1:
+            return f"a non-empty list of engines that reads the same {self.stable_reads} times in a row"
+        return "at least one engine"
+
+    def satisfied(self, engines: list[str], same_reads: int) -> bool:
+        if not engines:
+            return False
+        if self.expected is not None:
+            return len(engines) >= self.expected
+        return same_reads >= self.stable_reads
+
+
 async def _discover(router_url: str, transport: Transport, dispatch: str, hints: DeploymentHints | None,
-                    kw: dict) -> Dispatch:
-    """The router's workers and the dispatch chosen for them; a URL without ``/workers`` that
-    answers as an SGLang engine is the job's only engine (see ``EngineClient.from_router``)."""
-    try:
-        reply = await _call_with_retries(
-            transport, router_url, "GET", "/workers", None,
-            timeout_s=min(kw.get("timeout_s", 3600.0), CONTROL_TIMEOUT_S), max_retries=kw.get("max_retries", 3),
-            retry_backoff_s=kw.get("retry_backoff_s", 1.0), stats=EngineStats(),
-        )
-    except RequestRejected as exc:
-        if exc.status != 404:
-            raise
-        probe = EngineClient([router_url], transport=transport, **kw)
+                    wait: EngineWait, kw: dict) -> Dispatch:
+    """The router's workers, once they are what ``wait`` asks for, and the dispatch chosen for them;
+    a URL without ``/workers`` that answers as an SGLang engine is the job's only engine (see
+    ``EngineClient.from_router``)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    previous: list[str] | None = None
+    same_reads = reads = 0
+    while True:
+        reads += 1
         try:
-            await probe.weight_version(router_url)
-        except EngineError as exc:
+            reply = await _call_with_retries(
+                transport, router_url, "GET", "/workers", None,
+                timeout_s=min(kw.get("timeout_s", 3600.0), CONTROL_TIMEOUT_S), max_retries=kw.get("max_retries", 3),
+                retry_backoff_s=kw.get("retry_backoff_s", 1.0), stats=EngineStats(),
+            )
+        except RequestRejected as exc:
+            if exc.status != 404:
+                raise
+            return await _bare_engine(router_url, transport, kw)
+        workers = parse_workers(reply, router_url)
+        engines = sorted({w.url for w in workers})  # a DP-aware router lists an engine once per rank
+        same_reads = same_reads + 1 if engines == previous else 1
+        previous = engines
+        waited = loop.time() - started
+        if wait.satisfied(engines, same_reads):
+            if reads > 1:
+                logger.info("router %s lists %d engine(s) after %.1f s: %s", router_url, len(engines), waited, engines)
+            return choose(dispatch, router_url, workers, hints)
+        if waited >= wait.deadline_s:
+            listed = f"lists {len(engines)} engine(s) {engines}" if engines else "lists no engines"
             raise EngineError(
-                f"{router_url} is not a router: GET /workers answered HTTP 404, and it does not answer as "
-                f"an SGLang engine either ({exc}); a router URL is expected (sglang-router, slime's "
-                "--sglang-router-ip/--sglang-router-port)"
-            ) from exc
-        logger.warning(
-            "%s has no /workers (HTTP 404): a router URL is expected; it answers as an SGLang "
-            "engine, so it is used as the only rollout engine", router_url,
-        )
-        return Dispatch.direct([router_url], "a single engine, no router")
-    workers = parse_workers(reply, router_url)
-    if not workers:
-        raise EngineError(f"router {router_url} lists no engines")
-    return choose(dispatch, router_url, workers, hints)
+                f"router {router_url} {listed} after {waited:.0f} s of waiting for {wait.describe()}; an "
+                "engine is registered with POST /workers, and sglang-router lists it only once its own "
+                "health check passed: see the router's log for an engine that failed it "
+                "(april_engine_wait_s sets how long to wait)"
+            )
+        await asyncio.sleep(min(wait.poll_s, max(wait.deadline_s - waited, 0.0)))
+
+
+async def _bare_engine(router_url: str, transport: Transport, kw: dict) -> Dispatch:
+    """``router_url`` has no ``/workers``: it is used alone if it answers as an SGLang engine."""
+    probe = EngineClient([router_url], transport=transport, **kw)
+    try:
+        await probe.weight_version(router_url)
+    except EngineError as exc:
+        raise EngineError(
+            f"{router_url} is not a router: GET /workers answered HTTP 404, and it does not answer as "
+            f"an SGLang engine either ({exc}); a router URL is expected (sglang-router, slime's "
+            "--sglang-router-ip/--sglang-router-port)"
+        ) from exc
+    logger.warning(
+        "%s has no /workers (HTTP 404): a router URL is expected; it answers as an SGLang "
+        "engine, so it is used as the only rollout engine", router_url,
+    )
+    return Dispatch.direct([router_url], "a single engine, no router")
 
 
 async def _fan_out(calls: list[Awaitable[None]], what: str) -> None:
@@ -242,9 +305,10 @@ class EngineClient:
 
     @classmethod
     async def from_router(cls, router_url: str, *, dispatch: str = "direct", hints: DeploymentHints | None = None,
-                          **kw) -> "EngineClient":
-        """Build a client for every engine the router lists (``GET {router}/workers``), dispatching
-        as ``dispatch`` (auto | direct | router) says (``dispatch.choose``).
+                          wait: EngineWait = EngineWait(), **kw) -> "EngineClient":
+        """Build a client for every engine the router lists (``GET {router}/workers``) once the list is
+        what ``wait`` asks for (``EngineWait``), dispatching as ``dispatch`` (auto | direct | router)
+        says (``dispatch.choose``).
 
         A router URL is expected (slime always starts ``sglang-router``). A URL that answers
         ``/workers`` with HTTP 404 but answers as an SGLang engine (its weight version) is taken
@@ -256,7 +320,7 @@ class EngineClient:
         if owns_transport:
             transport = HttpTransport()
         try:
-            chosen = await _discover(normalise_url(router_url), transport, dispatch, hints, kw)
+            chosen = await _discover(normalise_url(router_url), transport, dispatch, hints, wait, kw)
             client = cls([], transport=transport, dispatch=chosen, **kw)
         except BaseException:
             if owns_transport:
