@@ -9,6 +9,14 @@
 #   ROLLOUT_MAX_RESPONSE_LEN  16384 by default: the 16K budget of the benchmark's headline
 #              (`april-slime bench dapo16k`), where the long tail that partial rollouts remove is
 #              longest. slime's own Qwen3-4B script uses 8192; set 8192 to compare with it.
+#   APRIL_CONFIG  the plugin's YAML (default configs/<MODE>.yaml)
+#   HF_CHECKPOINT, REF_LOAD, PROMPT_DATA, ROLLOUT_BATCH_SIZE, N_SAMPLES_PER_PROMPT, NUM_ROLLOUT,
+#   GLOBAL_BATCH_SIZE, SAVE_INTERVAL, EVAL_INTERVAL (none: no evaluation)  the recipe's values
+#   RAY_ADDRESS  submit to this running cluster's dashboard (http://host:8265) instead of starting one
+#
+# A platform launcher (run-h100.sh, run-mi300.sh, run-cpu.sh) sources this file and sets the
+# hardware block only: MODEL_ARGS (before sourcing: else slime's Qwen3-4B), PERF_ARGS, MISC_ARGS,
+# SGLANG_ARGS, RAY_START_ARGS and the runtime environment.
 
 MODE=${MODE:-copris}
 LOSS_HOOK=${LOSS_HOOK:-custom_loss}
@@ -28,36 +36,39 @@ case "$MODE" in
     *) echo "MODE must be slime, sync, april or copris (got '$MODE')" >&2; exit 2 ;;
 esac
 
-# the model architecture, from slime itself
-source "${SLIME_DIR}/scripts/models/qwen3-4B.sh"
+# the model architecture, from slime itself, unless the platform launcher set it
+if ! declare -p MODEL_ARGS &>/dev/null; then
+   source "${SLIME_DIR}/scripts/models/qwen3-4B.sh"
+fi
+APRIL_CONFIG=${APRIL_CONFIG:-${HERE}/configs/${MODE}.yaml}
 
 CKPT_ARGS=(
-   --hf-checkpoint "${MODEL_DIR}/Qwen3-4B"
-   --ref-load "${MODEL_DIR}/Qwen3-4B_torch_dist"
+   --hf-checkpoint "${HF_CHECKPOINT:-${MODEL_DIR}/Qwen3-4B}"
+   --ref-load "${REF_LOAD:-${MODEL_DIR}/Qwen3-4B_torch_dist}"
    --load "${SAVE_DIR}"
    --save "${SAVE_DIR}"
-   --save-interval 20
+   --save-interval "${SAVE_INTERVAL:-20}"
 )
 
 ROLLOUT_ARGS=(
-   --prompt-data "${DATA_DIR}/dapo-math-17k/dapo-math-17k.jsonl"
+   --prompt-data "${PROMPT_DATA:-${DATA_DIR}/dapo-math-17k/dapo-math-17k.jsonl}"
    --input-key prompt
    --label-key label
    --apply-chat-template
    --rollout-shuffle
    --rm-type deepscaler
-   --num-rollout 3000
-   --rollout-batch-size 32
-   --n-samples-per-prompt 8
+   --num-rollout "${NUM_ROLLOUT:-3000}"
+   --rollout-batch-size "${ROLLOUT_BATCH_SIZE:-32}"
+   --n-samples-per-prompt "${N_SAMPLES_PER_PROMPT:-8}"
    --rollout-max-response-len "${ROLLOUT_MAX_RESPONSE_LEN}"
    --rollout-temperature 1
 
-   --global-batch-size 256
+   --global-batch-size "${GLOBAL_BATCH_SIZE:-256}"
    --balance-data
 )
 
 EVAL_ARGS=(
-   --eval-interval 20
+   --eval-interval "${EVAL_INTERVAL:-20}"
    --eval-prompt-data aime "${DATA_DIR}/aime-2024/aime-2024.jsonl"
    --n-samples-per-eval-prompt 16
    --eval-max-response-len 16384
@@ -83,6 +94,10 @@ OPTIMIZER_ARGS=(
    --adam-beta2 0.98
 )
 
+if [ "${EVAL_INTERVAL:-20}" = "none" ]; then
+   EVAL_ARGS=()
+fi
+
 SGLANG_ARGS=(
    --rollout-num-gpus-per-engine 2
    --sglang-mem-fraction-static 0.7
@@ -101,7 +116,7 @@ if [ "$MODE" != "slime" ]; then
    APRIL_ARGS+=(
       --rollout-function-path april_slime.rollout.generate_rollout
       --data-source-path april_slime.rollout.AprilDataSource
-      --custom-config-path "${HERE}/configs/${MODE}.yaml"
+      --custom-config-path "${APRIL_CONFIG}"
       # rollout log-probs of every stage are the behaviour policy of the correction
    )
    case "$LOSS_HOOK" in
@@ -121,7 +136,7 @@ fi
 # A custom loss in copris mode takes its ratio against the rollout log-probs, so slime's separate
 # log-prob forward before each step is not needed; --use-rollout-logprobs skips it (slime runs it
 # for every --loss-type but policy_loss otherwise). decoupled (the default configs) needs it.
-loss_config="${HERE}/configs/${MODE}.yaml"
+loss_config="${APRIL_CONFIG}"
 if [ "$VCPO_HOOK" = "1" ]; then
    loss_config="${HERE}/configs/${MODE}-vcpo.yaml"
 fi
@@ -166,12 +181,14 @@ run_slime() {  # <num_gpus> <runtime_env_json> [extra slime args...]: start ray 
    shift 2
    check_april_setup
    export MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
-   ray start --head --node-ip-address "${MASTER_ADDR}" --num-gpus "${num_gpus}" --disable-usage-stats \
-      --dashboard-host=0.0.0.0 --dashboard-port=8265
+   if [ -z "${RAY_ADDRESS:-}" ]; then
+      ray start --head --node-ip-address "${MASTER_ADDR}" --num-gpus "${num_gpus}" --disable-usage-stats \
+         --dashboard-host=0.0.0.0 --dashboard-port=8265 "${RAY_START_ARGS[@]}"
+   fi
    cd "${SLIME_DIR}" || exit 1
-   ray job submit --address="http://127.0.0.1:8265" \
+   ray job submit --address="${RAY_ADDRESS:-http://127.0.0.1:8265}" \
       --runtime-env-json="${runtime_env_json}" \
-      -- python3 train.py \
+      -- python3 "${SLIME_DIR}/train.py" \
       --actor-num-nodes 1 \
       --actor-num-gpus-per-node "${num_gpus}" \
       --colocate \
@@ -223,6 +240,9 @@ if [ "$VCPO_HOOK" = "1" ]; then
    done
    PERF_ARGS=("${static[@]}" --micro-batch-size 8)
 fi
+
+# extra `ray start` options of a platform (run-cpu.sh: CPU scheduling tokens for slime's actors)
+RAY_START_ARGS=()
 
 # numerics of slime's Qwen3-4B example; the platform launchers append to it
 MISC_ARGS=(
