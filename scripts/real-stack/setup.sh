@@ -127,6 +127,44 @@ if [[ -n "$slime_src" ]]; then
     # CUDA memory, and the training tier runs that actor's train_actor on the CPU
     "${vpip[@]}" --no-deps torch-memory-saver==0.0.10
     log "slime from $slime_src (patches applied)"
+
+    # Layer 2b: slime's own launcher (train.py under Ray) as a user runs it, on SGLang 0.5.15.post1
+    # (slime at the pin cannot start 0.5.23: it reads ServerArgs as a dataclass). A venv of the
+    # clone's seeing, in this order, the 0.5.15.post1 layer, the shared layer and Megatron-LM's
+    # megatron.training (slime's parse_args imports it; the megatron-core wheel lacks it), holding
+    # the project, slime, torch-memory-saver and Ray's dashboard (for `ray job submit`). Its bin/
+    # has python3 and ray, so PATH=<it>/bin runs the launchers unchanged; <it>/slime is their SLIME_DIR.
+    megatron_tarball="$(ls "$repo"/../shared/third_party/megatron-lm/megatron-lm-*.tar.gz \
+        "$repo"/../../shared/third_party/megatron-lm/megatron-lm-*.tar.gz 2>/dev/null | head -n 1 || true)"
+    launcher="$venv/slime-launcher"
+    if [[ -n "$megatron_tarball" ]]; then
+        megatron_lm="$cache/$(basename "$megatron_tarball" .tar.gz)"
+        if [[ ! -f "$megatron_lm/.complete" ]]; then
+            rm -rf "$megatron_lm" && mkdir -p "$megatron_lm"
+            tar xzf "$megatron_tarball" -C "$megatron_lm"
+            touch "$megatron_lm/.complete"
+        fi
+        megatron_root="$(dirname "$(ls -d "$megatron_lm"/*/megatron | head -n 1)")"
+        [[ -x "$launcher/bin/python" ]] || "$py" -m venv "$launcher"
+        launcher_site="$("$launcher/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+        old_site="$("$old_sglang/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+        printf '%s\n' "$old_site" "$base_site" "$megatron_root" > "$launcher_site/zz_april_slime_launcher.pth"
+        lpip=("$launcher/bin/python" -m pip install -q --disable-pip-version-check)
+        "${lpip[@]}" --no-deps -e "$repo" "$patched" torch-memory-saver==0.0.10
+        ln -sfn "$patched" "$launcher/slime"  # SLIME_DIR of the launchers: train.py beside slime/
+        ray_version="$("$base/bin/python" -c 'import ray; print(ray.__version__)')"
+        "${lpip[@]}" -c "$here/constraints-cpu.txt" "ray[default]==$ray_version"
+        printf '#!%s\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n' \
+            "$launcher/bin/python" > "$launcher/bin/ray"
+        chmod +x "$launcher/bin/ray"
+        SGLANG_USE_CPU_ENGINE=1 PYTHONWARNINGS=ignore "$launcher/bin/python" -c \
+            "import sglang, slime, april_slime, megatron.training, ray.dashboard; assert sglang.__version__ == '0.5.15.post1'" \
+            2>/dev/null || { log "the slime launcher environment in $launcher does not import"; exit 1; }
+        log "slime's launcher: PATH=$launcher/bin:\$PATH (SGLang 0.5.15.post1, Megatron-LM from $megatron_tarball)"
+    elif [[ "${APRIL_REQUIRE_REAL:-}" == 1 || "${CI:-}" =~ ^([Tt][Rr][Uu][Ee]|1|yes)$ ]]; then
+        log "no Megatron-LM training tarball in ../shared/third_party/megatron-lm/: slime's launcher cannot run"
+        exit 1
+    fi
 elif [[ "${APRIL_REQUIRE_REAL:-}" == 1 || "${CI:-}" =~ ^([Tt][Rr][Uu][Ee]|1|yes)$ ]]; then
     # CI must run the real tier: stop here rather than let it skip.
     log "no slime, and CI requires the real tier: set SLIME_DIR to a checkout of THUDM/slime@624b824a8 or put its tarball in ../shared/third_party/"

@@ -1,17 +1,21 @@
-"""A runtime workaround SGLang 0.5.23 needs on CPU for ``--enable-return-routed-experts``; no SGLang
-file is changed. Put this folder first on ``PYTHONPATH`` of an engine (``LocalEngine`` does so for
-every engine it starts): Python imports ``sitecustomize`` at start-up in every process, the
-scheduler processes SGLang spawns included, and ``PYTHONPATH`` comes before the ``sitecustomize``
-some distributions ship in the standard library's folder.
+"""Runtime workarounds that SGLang and slime need on a CPU-only machine; no SGLang or slime file is
+changed. Put this folder first on ``PYTHONPATH`` (``LocalEngine`` does so for every engine it
+starts; the CPU launcher ``examples/qwen3-4B-dapo-math/run-cpu.sh`` for slime's whole job, Ray's
+workers included): Python imports ``sitecustomize`` at start-up in every process, the processes
+SGLang spawns included, and ``PYTHONPATH`` comes before the ``sitecustomize`` some distributions ship
+in the standard library's folder. Each workaround runs right after its module has been imported,
+so a process that never imports it pays nothing, and each one does nothing on a machine with a GPU.
 
-Why: SGLang allocates the routed-experts host cache (``sglang.srt.state_capturer.base.BaseHostCache``)
-through ``ALLOC_MEMORY_FUNCS[device]``, whose ``"cpu"`` entry pins the buffer with
-``torch.cuda.cudart().cudaHostRegister``: a CPU build of torch has no CUDA runtime, and the engine
-fails at start. Once ``sglang.srt.mem_cache.pool_host.common`` has run, its ``"cpu"`` entry is
-replaced by a plain zero-filled tensor (nothing to pin without a GPU). Every module that imported
-the table holds the same dict, so they all see the change.
-
-Inert in a process that never imports that module, and on a machine with a GPU.
+1. ``sglang.srt.mem_cache.pool_host.common`` (SGLang 0.5.23, ``--enable-return-routed-experts``):
+   SGLang allocates the routed-experts host cache (``sglang.srt.state_capturer.base.BaseHostCache``)
+   through ``ALLOC_MEMORY_FUNCS[device]``, whose ``"cpu"`` entry pins the buffer with
+   ``torch.cuda.cudart().cudaHostRegister``: a CPU build of torch has no CUDA runtime, and the
+   engine fails at start. The ``"cpu"`` entry is replaced by a plain zero-filled tensor (nothing to
+   pin without a GPU). Every module that imported the table holds the same dict, so they all see it.
+2. ``slime.utils.accelerator`` (slime's launcher, ``train.py``): slime picks its accelerator from the
+   hardware and stops with "No usable accelerator was detected" on a CPU. slime's own extension
+   point, ``register_accelerator``, gets a CPU backend (gloo for its process groups) at the lowest
+   priority, so that CUDA or MUSA still win wherever they are present.
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-TARGET = "sglang.srt.mem_cache.pool_host.common"
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _cpu_alloc(dims, dtype, device, pin_memory=False, allocator=None, registration_granularity_bytes=None):
@@ -29,19 +37,76 @@ def _cpu_alloc(dims, dtype, device, pin_memory=False, allocator=None, registrati
     return torch.zeros(dims, dtype=dtype, device=device)
 
 
-def _patch(module) -> None:
-    import torch
+def _patch_host_alloc(module) -> None:
+    if not _cuda_available():
+        module.ALLOC_MEMORY_FUNCS["cpu"] = _cpu_alloc
 
-    if torch.cuda.is_available():
-        return
-    module.ALLOC_MEMORY_FUNCS["cpu"] = _cpu_alloc
+
+def _register_cpu_accelerator(module) -> None:
+    import torch
+    from slime.utils.accelerator.base import Accelerator
+
+    class CpuAccelerator(Accelerator):
+        """The host as slime's accelerator: one device, no streams, no device memory."""
+
+        name = "cpu"
+        device_type = "cpu"
+        communication_backend_name = "gloo"
+
+        def is_available(self) -> bool:
+            return True
+
+        def device(self, index=None) -> torch.device:
+            return torch.device("cpu")
+
+        def device_name(self, index=None) -> str:
+            return "cpu"
+
+        def set_device(self, index) -> None:
+            pass
+
+        def current_device(self) -> str:
+            return "cpu"
+
+        def device_count(self) -> int:
+            return 1
+
+        def synchronize(self, device=None) -> None:
+            pass
+
+        def current_stream(self, device=None):
+            return None
+
+        def empty_cache(self) -> None:
+            pass
+
+        def mem_get_info(self, device=None) -> tuple[int, int]:
+            return 0, 0
+
+        def memory_allocated(self, device=None) -> int:
+            return 0
+
+        def memory_reserved(self, device=None) -> int:
+            return 0
+
+    # no communication_backends: gloo is no device backend (slime destroys and rebuilds the WORLD
+    # group across sleep / wake only for those)
+    module.register_accelerator("cpu", CpuAccelerator, lambda: not _cuda_available(), priority=-100)
+
+
+AFTER_IMPORT = {
+    "sglang.srt.mem_cache.pool_host.common": _patch_host_alloc,
+    "slime.utils.accelerator": _register_cpu_accelerator,
+}
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds ``TARGET`` as the normal finders would, and runs ``_patch`` once it has executed."""
+    """Finds a module of ``AFTER_IMPORT`` as the normal finders would, and runs its workaround once
+    the module has executed."""
 
     def find_spec(self, name, path, target=None):
-        if name != TARGET:
+        patch = AFTER_IMPORT.get(name)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -50,7 +115,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_then_patch(module):
             exec_module(module)
-            _patch(module)
+            patch(module)
 
         spec.loader.exec_module = exec_then_patch
         return spec
