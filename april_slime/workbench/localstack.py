@@ -285,8 +285,6 @@ class LocalRouter:
     def __init__(self, worker_urls: Sequence[str], *, port: int | None = None, host: str = "127.0.0.1",
                  policy: str | None = None, extra_args: Sequence[str] = (),
                  log_path: str | os.PathLike | None = None) -> None:
-        if not worker_urls:
-            raise ValueError("LocalRouter needs at least one worker URL")
         self.worker_urls = list(worker_urls)
         self.host = host
         self._fixed_port = port
@@ -306,7 +304,9 @@ class LocalRouter:
         return self._process.log_path
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *self.worker_urls,
+        # no worker URLs: engines are registered later with POST /workers, as slime registers them
+        workers = ["--worker-urls", *self.worker_urls] if self.worker_urls else []
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", *workers,
                "--host", self.host, "--port", str(self.port), "--prometheus-host", self.host,
                "--prometheus-port", str(free_port(self.host)), "--disable-circuit-breaker",
                "--disable-health-check"]

@@ -30,12 +30,15 @@ from tests.support.real_tier import (
     MAX_RUNNING_REQUESTS,
     MAX_TOTAL_TOKENS,
     REQUIRED,
+    SGLANG_0515,
     WHY_SKIPPED,
     LocalStack,
     RealStack,
     build_tiny_qwen3,
+    http_json,
     load_hf_models,
     local_stack,
+    sglang_0515_python,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -110,6 +113,20 @@ def real_stack(tmp_path_factory) -> RealStack:
     with local_stack(model, n_engines=n, max_running_requests=MAX_RUNNING_REQUESTS,
                      max_total_tokens=MAX_TOTAL_TOKENS, log_dir=root / "logs") as stack:
         yield RealStack(stack, model, other)
+
+
+@pytest.fixture(scope="session")
+def old_stack(real_stack, tmp_path_factory) -> RealStack:
+    """One SGLang 0.5.15.post1 engine (the SGLang of slime's images at the pin) behind its router,
+    serving the stack's weights, shared by tests/real/test_sglang_0515.py and slime's launcher
+    tests (which use it as an external engine)."""
+    python = sglang_0515_python()
+    logs = tmp_path_factory.mktemp("sglang-0515-logs")
+    with local_stack(real_stack.model_path, n_engines=1, max_running_requests=MAX_RUNNING_REQUESTS,
+                     max_total_tokens=MAX_TOTAL_TOKENS, log_dir=logs, python=python) as stack:
+        status, loads = http_json("GET", f"{stack.engine_urls[0]}/v1/loads")
+        assert status == 200 and loads["version"] == SGLANG_0515, loads
+        yield RealStack(stack, real_stack.model_path, real_stack.other_model_path)
 
 
 @pytest.fixture(scope="session")

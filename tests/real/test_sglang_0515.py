@@ -1,9 +1,10 @@
 """The plugin against SGLang 0.5.15.post1, the SGLang of slime's own CUDA images at the pinned commit,
 served on CPU from the layer ``scripts/real-stack/setup.sh`` builds beside the shared one (its
-interpreter is named in ``.venv/sglang-0.5.15.post1-python``), behind the real sglang-router.
+interpreter is named in ``.venv/sglang-0.5.15.post1-python``), behind the real sglang-router:
+``old_stack`` (tests/real/conftest.py), which slime's launcher tests share.
 
 The rest of the real tier runs on SGLang 0.5.23 (the session's ``real_stack``); this module starts
-one 0.5.15.post1 engine of its own for what differs there:
+one 0.5.15.post1 engine for what differs there:
 
 * its replies carry ``meta_info.weight_version`` but never the per-token ``weight_versions`` spans
   (0.5.15.post1 has no such field), and ``/get_weight_version`` is gone (404, ``/model_info``
@@ -20,48 +21,20 @@ here: without spans no reply can say which tokens came before the update (see do
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from april_slime.core.engine import EngineClient
-from april_slime.workbench.localstack import local_stack
 from tests.support import ROOT
 from tests.support.real_tier import (
     MAX_RUNNING_REQUESTS,
-    MAX_TOTAL_TOKENS,
-    RealStack,
+    SGLANG_0515,
     SlimeRolloutManager,
     check_slime_contract,
     http_json,
     plugin_args,
     steps_across_weight_pushes,
 )
-
-VERSION = "0.5.15.post1"
-POINTER = ROOT / ".venv" / f"sglang-{VERSION}-python"
-
-
-def interpreter() -> str:
-    """The interpreter serving SGLang 0.5.15.post1; skips (fails in CI) saying how to build it."""
-    fix = "run `bash scripts/real-stack/setup.sh`, which builds it"
-    if not POINTER.exists():
-        pytest.skip(f"no SGLang {VERSION} layer ({POINTER} is missing); {fix}")
-    python = Path(POINTER.read_text(encoding="utf-8").strip())
-    if not python.exists():
-        pytest.skip(f"the SGLang {VERSION} interpreter {python} named in {POINTER} is gone; {fix}")
-    return str(python)
-
-
-@pytest.fixture(scope="module")
-def old_stack(real_stack, tmp_path_factory) -> RealStack:
-    python = interpreter()
-    logs = tmp_path_factory.mktemp("sglang-0515-logs")
-    with local_stack(real_stack.model_path, n_engines=1, max_running_requests=MAX_RUNNING_REQUESTS,
-                     max_total_tokens=MAX_TOTAL_TOKENS, log_dir=logs, python=python) as stack:
-        status, loads = http_json("GET", f"{stack.engine_urls[0]}/v1/loads")
-        assert status == 200 and loads["version"] == VERSION, loads
-        yield RealStack(stack, real_stack.model_path, real_stack.other_model_path)
 
 
 async def test_replies_and_control_paths_of_0515(old_stack):
@@ -113,8 +86,8 @@ def test_recorded_0515_replies_match_the_live_engine(old_stack):
 
     from april_slime.workbench.emulator.testing import golden_differences, golden_replies
 
-    recorded = json.loads((ROOT / "tests" / "data" / f"sglang-{VERSION}-golden.json").read_text())
-    assert recorded["sglang_version"] == VERSION
+    recorded = json.loads((ROOT / "tests" / "data" / f"sglang-{SGLANG_0515}-golden.json").read_text())
+    assert recorded["sglang_version"] == SGLANG_0515
     start = old_stack.weight_version()
     try:
         live = asyncio.run(golden_replies(old_stack.engine_urls[0], max_running_requests=MAX_RUNNING_REQUESTS,

@@ -130,6 +130,26 @@ class RealStack:
             time.sleep(0.2)
 
 
+SGLANG_0515 = "0.5.15.post1"
+
+
+def sglang_0515_python() -> str:
+    """The interpreter serving SGLang 0.5.15.post1 (named in ``.venv/sglang-0.5.15.post1-python``);
+    skips (fails in CI) saying how to build it."""
+    import pytest
+
+    from tests.support import ROOT
+
+    pointer = ROOT / ".venv" / f"sglang-{SGLANG_0515}-python"
+    fix = "run `bash scripts/real-stack/setup.sh`, which builds it"
+    if not pointer.exists():
+        pytest.skip(f"no SGLang {SGLANG_0515} layer ({pointer} is missing); {fix}")
+    python = Path(pointer.read_text(encoding="utf-8").strip())
+    if not python.exists():
+        pytest.skip(f"the SGLang {SGLANG_0515} interpreter {python} named in {pointer} is gone; {fix}")
+    return str(python)
+
+
 def write_prompts(path: Path, n: int, seed: int = 0) -> Path:
     """``n`` arithmetic prompts in slime's jsonl format (``prompt`` / ``label``)."""
     import random

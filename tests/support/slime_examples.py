@@ -89,7 +89,7 @@ class RetrievalStub:
     passage ``contents(query, k)``. It runs on a thread of its own (any event loop may call it) and
     records every query it answered."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.queries: list[str] = []
         stub = self
 
@@ -109,7 +109,7 @@ class RetrievalStub:
             def log_message(self, *args) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/retrieve"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
