@@ -186,10 +186,27 @@ def test_concurrent_calls_of_one_episode_are_scheduled_aborted_and_resumed(clust
     assert resumed, "no call of a trained sample was aborted and resumed"
 
 
-def test_a_function_that_always_fails_stops_the_job_naming_it(cluster, tmp_path, prompts):
+GIVEN_UP_GUARD = 60  # far more episodes given up than a bound of 3 lets through: the bound does not work
+
+
+def test_a_function_that_always_fails_stops_the_job_naming_it(cluster, tmp_path, prompts, monkeypatch):
     """slime's own rollout stops at a function's first error; under the plugin the episodes are
     re-run and given up, and once ``april_max_given_up_in_a_row`` are given up in a row the step
-    ends with an error naming the function and its last failure (not an endless step)."""
+    ends with an error naming the function and its last failure (not an endless step).
+
+    Without the bound the step would draw prompts for ever (slime's data source cycles epochs): a
+    guard ends the step once ``GIVEN_UP_GUARD`` episodes were given up (counted from the runner,
+    raised where the step opens its next group), so a broken bound fails here instead of hanging."""
+    from april_slime.core.episodes import EpisodeWork
+
+    open_group = EpisodeWork.open_group
+
+    def guarded(self, group):
+        given_up = self.runner.counters.given_up
+        assert given_up < GIVEN_UP_GUARD, f"{given_up} episodes given up and the step goes on: no bound stopped it"
+        return open_group(self, group)
+
+    monkeypatch.setattr(EpisodeWork, "open_group", guarded)
     function = "tests.support.agent_functions.always_raises"
     args, source = job(tmp_path, prompts, cluster, april_policy="copris", april_concurrency=6,
                        april_max_episode_failures=1, april_max_given_up_in_a_row=3,
