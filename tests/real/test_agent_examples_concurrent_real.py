@@ -6,9 +6,12 @@ multi_agent: five solver agents call the model at once in one episode (``asyncio
 call a sample of the episode. The jobs run on the ``long_weights`` (a response never ends before its
 budget), and the prompts give the calls two budgets (the function cuts ``max_new_tokens`` to
 ``--rollout-max-context-len`` minus the prompt): group 0's calls are short (``SHORT`` tokens), every
-other group's long (``PER_CALL``). So the step's target is met while the long calls still run: they
-are aborted with their tokens and resumed in the next step under the next weights, where they end
-first (they have fewer tokens left than the fresh long calls beside them). Per step:
+other group's long (``PER_CALL``). Under april (groups 0 and 1 open) the step's target is met by
+group 0 while group 1's calls still run: they are aborted with their tokens and resumed in the next
+step under the next weights, where they end first (they have fewer tokens left than the fresh long
+calls beside them). Under copris the step opens more groups, whose calls arrive in any order, and
+refills N' as calls end: at the target, calls submitted later than the finishing group's are still
+running and are cut with tokens. Per step:
 
 * every episode returns all five of its agents' samples (the solvers wrote no ``</think>``, so
   the function's code ends the episode after them), each trained once, no group lost;
@@ -193,7 +196,6 @@ def test_multi_agent_concurrent_calls_resumed_across_steps(real_stack, long_weig
     assert len(trained) == len(set(trained)), "a group was trained twice"
     assert not set(trained) & end_buffered, "a trained group is still buffered"
     assert set(trained) | end_buffered == set(range(pointer)), "a prompt group was lost"
-    assert seen["short_budget_samples"] == AGENTS * args.n_samples_per_prompt, "group 0 was not trained once"
     assert seen["suspended_calls"] > 0 and seen["resumed_calls"] > 0, seen
     assert seen["episodes_resumed_together"] > 0, (
         f"no episode's concurrent calls were cut at a step's end and resumed under new weights: {seen}")
