@@ -34,7 +34,7 @@ import math
 from typing import Any
 
 from april_slime.core.config import AprilConfigError
-from april_slime.core.episodes import Episode, EpisodeError, ModelCall
+from april_slime.core.episodes import Episode, EpisodeError, EpisodeRefused, ModelCall
 from april_slime.core.replay import INT32, TokenReplay, int32_bytes
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.samples import SampleCodec, Slime, plain, replay_spec
@@ -96,9 +96,15 @@ class GenerateFunctions:
             spaces_between_special_tokens=bool(params.get("spaces_between_special_tokens", True)))
 
     # ------------------------------------------------------------------ EpisodeAgent
+    def _path(self, sample: Any) -> str | None:
+        return getattr(sample, "generate_function_path", None) or self.default_path
+
+    def function_name(self, member: Trajectory, group: Group) -> str:
+        return f"generate function {self._path(self.codec.prompt_sample(group, member))}"
+
     def launch(self, member: Trajectory, group: Group):
         sample = self.codec.prompt_sample(group, member)
-        path = getattr(sample, "generate_function_path", None) or self.default_path
+        path = self._path(sample)
         if not path:
             raise EpisodeError(f"sample {member.uid}: no generate function (custom_generate_function_path)")
         fn = self._function(path, f"sample {member.uid}: generate_function_path")
@@ -210,7 +216,12 @@ class GenerateFunctions:
         for n, result in enumerate(results):
             where = f"{member.uid}[{n}]"
             status, response, mask, logprobs = self._checked(where, result)
-            versions, calls = _match_calls(where, response, mask, logprobs, served)
+            try:
+                # calls no earlier sample holds first: concurrent calls (one per agent) can return
+                # the same tokens, and each must reach its own sample
+                versions, calls = _match_calls(where, response, mask, logprobs, served, skip=used)
+            except EpisodeError:
+                versions, calls = _match_calls(where, response, mask, logprobs, served)
             used.update(calls)
             statuses.append(status)
             entries.append({"sample": plain(self.codec.sample_dict(result)), "version_runs": _runs(versions),
@@ -246,17 +257,44 @@ class GenerateFunctions:
         if not isinstance(result, Sample):
             raise EpisodeError(f"sample {where}: the generate function returned {type(result).__name__}, "
                                "not a Sample")
-        status = result.status.name
+        status = _status_name(Sample, where, result.status)
         if status not in ("COMPLETED", "TRUNCATED"):
             raise EpisodeError(f"sample {where}: the generate function returned a sample with status {status}")
+        result.status = Sample.Status[status]  # as trained (slime's Sample.to_dict needs a member)
         length = int(result.response_length or 0)
         response = list(result.tokens[len(result.tokens) - length:]) if length else []
         mask = list(result.loss_mask) if result.loss_mask is not None else [1] * length
+        if result.rollout_log_probs is None and length:
+            raise EpisodeRefused(NO_ROLLOUT_LOG_PROBS.format(where=where, n=length))
         logprobs = list(result.rollout_log_probs) if result.rollout_log_probs is not None else None
         if len(mask) != length or logprobs is None or len(logprobs) != length:
             raise EpisodeError(f"sample {where}: response of {length} tokens with a loss mask of "
                                f"{len(mask)} and {0 if logprobs is None else len(logprobs)} log-probs")
         return status, response, mask, logprobs
+
+
+def _status_name(Sample: Any, where: str, status: Any) -> str:
+    """The name of a returned sample's status. slime compares statuses with its ``Sample.Status``
+    members and otherwise trains the sample as it is, so a function may set a string (tau-bench sets
+    ``"completed"``, ``"truncated"``, ``"aborted"``): a string naming a truncation is TRUNCATED; any
+    other value of ``Sample.Status`` is trained as COMPLETED, as slime trains it (it is not its
+    ``ABORTED`` member, so slime neither re-runs nor drops it)."""
+    if isinstance(status, str):
+        values = {s.value: s.name for s in Sample.Status}
+        name = values.get(status.lower()) or (status.upper() if status.upper() in Sample.Status.__members__ else None)
+        if name is None:
+            raise EpisodeError(f"sample {where}: status {status!r} is none of slime's Sample.Status values "
+                               f"{sorted(values)}")
+        return "TRUNCATED" if name == "TRUNCATED" else "COMPLETED"
+    return status.name
+
+
+NO_ROLLOUT_LOG_PROBS = (
+    "sample {where}: a response of {n} tokens and no rollout_log_probs; under the plugin a generate "
+    "function must keep each model call's output_ids and output_token_logprobs in its sample (slime's "
+    "Sample.append_response_tokens does), since every trained token's log-prob and policy version are "
+    "those of the call that served it (a function that trains re-tokenized text, as slime's tau-bench "
+    "does, cannot run under partial rollout)")
 
 
 def _match_served(uid: str, response: list[int], mask: list[int], logprobs: list[float],
@@ -281,16 +319,16 @@ def _match_served(uid: str, response: list[int], mask: list[int], logprobs: list
 
 
 def _match_calls(uid: str, response: list[int], mask: list[int], logprobs: list[float],
-                 served: list[ModelCall]) -> tuple[list[int], list[int]]:
+                 served: list[ModelCall], skip: set[int] = frozenset()) -> tuple[list[int], list[int]]:
     """One sample of a fan-out: its trainable tokens, in order, must be the whole outputs (tokens and
-    log-probs) of some of the served calls, in call order. Returns the version of every response
-    token and the indices of the calls it holds."""
+    log-probs) of some of the served calls (those not in ``skip``), in call order. Returns the
+    version of every response token and the indices of the calls it holds."""
     trainable = [k for k, m in enumerate(mask) if m]
     at, calls, versions = 0, [], []
     for k, call in enumerate(served):
         t = call.trajectory
         n = len(t.response_ids)
-        if n == 0 or at + n > len(trainable):
+        if k in skip or n == 0 or at + n > len(trainable):
             continue
         here = trainable[at:at + n]
         if ([response[j] for j in here] == list(t.response_ids)

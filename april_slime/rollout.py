@@ -150,6 +150,7 @@ class _Runtime:
         config = self.config
         self.episodes = EpisodeRunner(self.functions, max_failures=config.max_episode_failures,
                                       tool_timeout_s=config.episode_tool_timeout_s,
+                                      max_given_up_in_a_row=config.max_given_up_in_a_row,
                                       restored=self.data_source.restored_episodes)
         self.front = EpisodeFront(self.episodes, tokenize=self.functions.tokenize,
                                   vocab_size=_vocab_size(self.codec),

@@ -31,7 +31,8 @@ def prompts(tmp_path):
 
 
 def job(tmp_path, prompts, cluster, **settings):
-    args = point_at(make_args(tmp_path, prompts, custom_generate_function_path=FUNCTION, **settings), cluster)
+    settings.setdefault("custom_generate_function_path", FUNCTION)
+    args = point_at(make_args(tmp_path, prompts, **settings), cluster)
     return args, rollout.AprilDataSource(args)
 
 
@@ -150,3 +151,116 @@ def test_a_stale_suspended_episode_is_restarted_from_its_prompt(cluster, tmp_pat
     for s in samples.values():
         versions = expand(s.train_metadata[TOKEN_VERSIONS_KEY])
         assert set(versions) == {s.train_metadata["april_policy_version"]}
+
+
+def test_concurrent_calls_of_one_episode_are_scheduled_aborted_and_resumed(cluster, tmp_path, prompts):
+    """A function that awaits two model calls together (``asyncio.gather``): both are scheduled,
+    aborted at a step's target and resumed like sequential calls, also those made in the pause
+    between two steps, and its sample carries the three calls' tokens with their exact versions.
+    Steps go on (at most 10) until a call of a trained sample was aborted and resumed."""
+    args, source = job(tmp_path, prompts, cluster, april_policy="copris", april_concurrency=12,
+                       custom_generate_function_path="tests.support.agent_functions.concurrent_turns")
+    resumed, trained = 0, 0
+    for step in range(10):
+        cluster.bump(step + 1)
+        out = rollout.generate_rollout(args, step, source)
+        assert out.metrics["april/episodes/failures"] == 0, "a concurrent call was refused or mismatched"
+        for group in out.samples:
+            for s in group:
+                trained += 1
+                assert s.loss_mask.count(0) == len(af.TOOL_TOKENS)
+                versions = expand(s.train_metadata[TOKEN_VERSIONS_KEY])
+                assert len(versions) == s.response_length
+                assert all(1 <= v <= s.train_metadata["april_policy_version"] for v in versions)
+                resumed += s.metadata["april_num_aborts"] > 0
+        # the pause between rollouts (slime's training step): the episodes make their calls, which
+        # wait for the next step; it ends once no live episode is between two calls
+        runner = rollout._RUNTIME.episodes
+        deadline = time.monotonic() + 60
+        while any(e.live and not e.pending for e in runner.episodes.values()):
+            assert time.monotonic() < deadline, "an episode never made its next call"
+            time.sleep(0.01)
+        if resumed and step >= 2:
+            break
+    assert trained >= 3 * args.rollout_batch_size * args.n_samples_per_prompt
+    assert resumed, "no call of a trained sample was aborted and resumed"
+
+
+GIVEN_UP_GUARD = 60  # far more episodes given up than a bound of 3 lets through: the bound does not work
+
+
+def test_a_function_that_always_fails_stops_the_job_naming_it(cluster, tmp_path, prompts, monkeypatch):
+    """slime's own rollout stops at a function's first error; under the plugin the episodes are
+    re-run and given up, and once ``april_max_given_up_in_a_row`` are given up in a row the step
+    ends with an error naming the function and its last failure (not an endless step).
+
+    Without the bound the step would draw prompts for ever (slime's data source cycles epochs): a
+    guard ends the step once ``GIVEN_UP_GUARD`` episodes were given up (counted from the runner,
+    raised where the step opens its next group), so a broken bound fails here instead of hanging."""
+    from april_slime.core.episodes import EpisodeWork
+
+    open_group = EpisodeWork.open_group
+
+    def guarded(self, group):
+        given_up = self.runner.counters.given_up
+        assert given_up < GIVEN_UP_GUARD, f"{given_up} episodes given up and the step goes on: no bound stopped it"
+        return open_group(self, group)
+
+    monkeypatch.setattr(EpisodeWork, "open_group", guarded)
+    function = "tests.support.agent_functions.always_raises"
+    args, source = job(tmp_path, prompts, cluster, april_policy="copris", april_concurrency=6,
+                       april_max_episode_failures=1, april_max_given_up_in_a_row=3,
+                       custom_generate_function_path=function)
+    cluster.bump(1)
+    with pytest.raises(Exception) as failed:
+        rollout.generate_rollout(args, 0, source)
+    message = str(failed.value)
+    assert function in message and "ConnectionError: tool server unreachable" in message, message
+    assert "3 episodes in a row" in message and "\n" not in message
+    runner = rollout._RUNTIME.episodes
+    assert runner.counters.given_up >= 3 and runner.counters.failures >= 6
+
+
+def test_given_up_episodes_with_successes_between_them_do_not_stop_the_job(cluster, tmp_path, prompts):
+    """The bound counts given-up episodes in a row: one finished episode between them resets it,
+    and the step's metrics show where it stands."""
+    args, source = job(tmp_path, prompts, cluster, april_policy="copris", april_concurrency=6,
+                       april_max_episode_failures=0, april_max_given_up_in_a_row=2)
+    af.CONTROL["raise"][0] = 1
+    # group 13 opens only once at least nine groups were settled, so after episodes finished
+    af.CONTROL["raise"][40] = 1
+    samples, totals = run_steps(args, source, cluster, 5)
+    assert totals["april/episodes/given_up"] == 2
+    assert "april/episodes/given_up_in_a_row" in totals
+    assert rollout._RUNTIME.episodes.given_up_in_a_row < 2
+
+
+def test_a_function_without_rollout_log_probs_is_refused_at_its_first_sample(cluster, tmp_path, prompts):
+    """slime's tau-bench returns samples without ``rollout_log_probs`` (it trains re-tokenized text):
+    the plugin cannot give their tokens the versions and log-probs they were served with, and a re-run
+    cannot change that, so the first such sample stops the job, before anything trains, with one line
+    saying why."""
+    function = "tests.support.agent_functions.without_log_probs"
+    args, source = job(tmp_path, prompts, cluster, april_policy="april", april_concurrency=6,
+                       custom_generate_function_path=function)
+    cluster.bump(1)
+    with pytest.raises(Exception) as refused:
+        rollout.generate_rollout(args, 0, source)
+    message = str(refused.value)
+    assert function in message and "no rollout_log_probs" in message and "\n" not in message, message
+    runner = rollout._RUNTIME.episodes
+    assert runner.counters.refused >= 1 and runner.counters.failures == 0, "the function was re-run"
+
+
+def test_string_statuses_are_trained_as_slime_trains_them(cluster, tmp_path, prompts):
+    """tau-bench sets ``sample.status`` to a string ("completed", "truncated", "aborted"), which
+    slime trains as it is: so does the plugin ("truncated" as a truncation)."""
+    args, source = job(tmp_path, prompts, cluster, april_policy="copris", april_concurrency=6,
+                       custom_generate_function_path="tests.support.agent_functions.string_status")
+    samples, totals = run_steps(args, source, cluster, 2)
+    assert totals["april/episodes/failures"] == 0
+    assert len(samples) == 2 * args.rollout_batch_size * args.n_samples_per_prompt
+    for s in samples.values():
+        check_sample(s, version_floor=1)
+        expected = af.STRING_STATUSES[s.index % len(af.STRING_STATUSES)]
+        assert s.status.name == ("TRUNCATED" if expected == "truncated" else "COMPLETED"), (s.index, s.status)

@@ -193,14 +193,14 @@ def test_no_model_call_reaches_an_engine_between_two_steps(cluster, tmp_path, pr
         runner = rollout._RUNTIME.episodes
         at_end = received()
         # a call made after the step ended: its trajectory was never sent (no call yet)
-        made_between = lambda: [e for e in runner.episodes.values()  # noqa: E731
-                                if e.live and e.pending is not None and e.pending.trajectory.num_calls == 0]
+        made_between = lambda: [c for e in runner.episodes.values() if e.live  # noqa: E731
+                                for c in e.pending.values() if c.trajectory.num_calls == 0]
         deadline = time.monotonic() + 30
-        while not made_between() and any(e.live and e.pending is None for e in runner.episodes.values()):
+        while not made_between() and any(e.live and not e.pending for e in runner.episodes.values()):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.01)
-        waiting = [e.pending for e in made_between()]
+        waiting = made_between()
         assert received() == at_end, "a model call reached an engine between two steps"
         if waiting:
             # later steps serve them (a step can reach its target before it dispatches one)

@@ -35,7 +35,17 @@ import pytest
 
 from april_slime import rollout
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
-from tests.support.slime_examples import EXAMPLE_MODULES, TARBALL, RetrievalStub, extract_examples, mask_runs
+from tests.support.slime_examples import (
+    AGENT_MODULES,
+    AGENTS_TARBALL,
+    EXAMPLE_MODULES,
+    MULTI_AGENT,
+    TARBALL,
+    RetrievalStub,
+    extract_agent_examples,
+    extract_examples,
+    mask_runs,
+)
 from tests.support.slime_jobs import Cluster, loop_run, make_args, point_at
 from tests.support.slime_standin import real_slime_importable
 
@@ -175,11 +185,12 @@ def write_prompts(tmp_path: Path, label) -> Path:
 def job_args(tmp_path, prompts, cluster, policy: str, **settings):
     """slime's arguments for a job of the example function, with what ``GenerateState`` and the
     functions read from a real slime job's arguments (engines, server concurrency, context budget)."""
+    settings.setdefault("rollout_max_context_len", None)
     args = make_args(
         tmp_path, prompts, april_policy=policy, april_concurrency=8, rollout_batch_size=2, n_samples_per_prompt=2,
         over_sampling_batch_size=2, rollout_max_response_len=MAX_RESPONSE_LEN,
         rollout_num_engines=2, sglang_server_concurrency=64, sglang_dp_size=None, use_distributed_post=False,
-        rollout_max_context_len=None, context_parallel_size=1, max_tokens_per_gpu=16384, **settings)
+        context_parallel_size=1, max_tokens_per_gpu=16384, **settings)
     return point_at(args, cluster)
 
 
@@ -328,3 +339,124 @@ def test_retool_keeps_every_calls_top_p_kept_ids(top_p_agent_cluster, slime_clie
     slime_client(args)
     observations = observation_tokens(args, [loop_run(_invalid_observation(retool))])
     run_job(args, top_p_agent_cluster, observations, RETOOL_MAX_TURNS, check=check_top_p_kept_ids)
+
+
+# ------------------------------------------------------------------ multi_agent and tau-bench
+@pytest.fixture(scope="module")
+def agent_examples(tmp_path_factory) -> Path:
+    """The folder holding slime's ``examples/multi_agent`` and ``examples/tau-bench``, unedited."""
+    if not AGENTS_TARBALL.is_file():
+        pytest.skip(f"slime's agent examples tarball is not at {AGENTS_TARBALL}")
+    return extract_agent_examples(tmp_path_factory.mktemp("slime-agent-examples"))
+
+
+@pytest.fixture
+def agent_example(agent_examples, monkeypatch):
+    """Puts ``examples/<folder>`` (or the folder holding ``examples/``) on ``sys.path`` and imports
+    ``module`` fresh; the modules are dropped again afterwards."""
+    from slime.utils.misc import load_function
+
+    def add(path: Path, module: str):
+        monkeypatch.syspath_prepend(str(path))
+        return importlib.import_module(module)
+
+    for name in AGENT_MODULES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    load_function.cache_clear()  # slime caches by path the functions of modules imported before
+    yield add
+    for name in AGENT_MODULES:
+        sys.modules.pop(name, None)
+    load_function.cache_clear()
+
+
+def pause_between_rollouts(max_s: float = 60.0) -> None:
+    """slime's training step between two rollouts: the episodes go on and make their next calls,
+    which wait for the next step. It ends once no live episode is between two model calls."""
+    import time
+
+    runner = rollout._RUNTIME.episodes
+    deadline = time.monotonic() + max_s
+    while any(e.live and not e.pending for e in runner.episodes.values()):
+        assert time.monotonic() < deadline, "an episode never made its next call"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("policy", ["sync", "april", "copris"])
+def test_multi_agent_returns_every_agents_sample(agent_cluster, slime_client, agent_example, agent_examples,
+                                                 monkeypatch, tmp_path, policy):
+    """slime's multi_agent: five solver agents call the model at once (``asyncio.gather``) in one
+    episode; each agent's call is scheduled like a sequential one (aborted and resumed too: the
+    episodes test, with a function of the same shape), also across the pause between rollouts, and
+    every episode returns all five samples, each with its call's exact per-token versions. (The
+    emulated engines never write ``</think>``, so no solver answer is parsed and the episode ends
+    after its solvers, as slime's code does then.)"""
+    from april_slime.core.episodes import EpisodeRunner
+    from tests.support.slime_standin import ToyTokenizer
+
+    concurrent = []  # calls of its episode open when each call finished, itself included
+    call_finished = EpisodeRunner.call_finished
+
+    def recording(self, t):
+        concurrent.append(len(self.calls[t.uid].episode.pending))
+        call_finished(self, t)
+
+    monkeypatch.setattr(EpisodeRunner, "call_finished", recording)
+    module = agent_example(agent_examples, "examples.multi_agent.rollout_with_multi_agents")
+    # it loads its tokenizer with transformers from hf_checkpoint: here the jobs' toy tokenizer
+    monkeypatch.setattr(module, "AutoTokenizer", type("Toy", (), {"from_pretrained": staticmethod(
+        lambda *a, **k: ToyTokenizer())}))
+    agents = module.MULTI_AGENT_CONFIGS["num_parallel"]
+    prompts = write_prompts(tmp_path, lambda i: str(i))
+    args = job_args(tmp_path, prompts, agent_cluster, policy, custom_generate_function_path=MULTI_AGENT,
+                    custom_rm_path="tests.support.slime_examples.batch_reward", rollout_max_context_len=4096)
+    slime_client(args)
+    source = rollout.AprilDataSource(args)
+    trained = 0
+    for step in range(STEPS):
+        agent_cluster.bump(step + 1)
+        out = rollout.generate_rollout(args, step, source)
+        assert out.metrics["april/episodes/failures"] == 0
+        for group in out.samples:
+            assert len(group) == args.n_samples_per_prompt
+            for episode in group:
+                assert len(episode) == agents, f"an episode returned {len(episode)} of its {agents} samples"
+                assert len({s.rollout_id for s in episode}) == 1
+                for s in episode:
+                    assert s.loss_mask == [1] * s.response_length == [1] * len(s.rollout_log_probs)
+                    versions = expand(s.train_metadata[TOKEN_VERSIONS_KEY])
+                    assert len(versions) == s.response_length
+                    assert all(1 <= v <= s.train_metadata["april_policy_version"] for v in versions)
+                    trained += 1
+        pause_between_rollouts()
+    assert trained == STEPS * args.rollout_batch_size * args.n_samples_per_prompt * agents
+    assert max(concurrent) > 1, "the agents' calls were never open at once"
+
+
+@pytest.mark.parametrize("policy", ["april", "copris"])
+def test_tau_bench_is_refused_at_its_first_sample(agent_cluster, slime_client, agent_example, agent_examples,
+                                                  monkeypatch, tmp_path, policy):
+    """slime's tau-bench runs under the plugin (string statuses taken as slime takes them) and its
+    first sample stops the job with one line saying why: it carries no rollout_log_probs, and its
+    trainable tokens are its conversation re-tokenized, not the tokens the engine served, so no
+    per-token log-prob or policy version can be given to them. The ``tau_bench`` package is the
+    stand-in's; its environment saw the function's actions."""
+    from slime.rollout import sglang_rollout
+
+    from tests.support import tau_bench_standin
+
+    pytest.importorskip("sglang.srt.function_call.function_call_parser",
+                        reason="tau-bench parses tool calls with SGLang's parser")
+    tau_bench_standin.install(monkeypatch)
+    monkeypatch.setattr(sglang_rollout, "load_tokenizer", lambda *a, **k: tau_bench_standin.ChatToyTokenizer())
+    agent_example(agent_examples / "examples" / "tau-bench", "generate_with_tau")
+    prompts = tmp_path / "tasks.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": str(i), "label": ""}) + "\n" for i in range(64)))
+    args = job_args(tmp_path, prompts, agent_cluster, policy,
+                    custom_generate_function_path="generate_with_tau.generate")
+    slime_client(args)
+    with pytest.raises(Exception) as refused:
+        rollout.generate_rollout(args, 0, rollout.AprilDataSource(args))
+    message = str(refused.value)
+    assert "generate_with_tau.generate cannot run under the plugin" in message and "\n" not in message, message
+    assert "no rollout_log_probs" in message
+    assert sum(len(steps) for steps in tau_bench_standin.STEPS.values()) > 0, "the environment never stepped"

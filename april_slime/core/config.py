@@ -141,6 +141,13 @@ class AprilConfig:
         metadata={"help": "Times one episode is re-run alone from its prompt after its function raised "
                           "or its tool phase timed out; one more failure drops its group (counted)."},
     )
+    max_given_up_in_a_row: int | None = field(
+        default=16,
+        metadata={"help": "Episodes given up (past max_episode_failures) in a row, none finishing between "
+                          "them, after which the job stops with an error naming the generate function and "
+                          "its last failure (slime's own rollout stops at the first); counted in "
+                          "april/episodes/given_up_in_a_row. Unset: no bound."},
+    )
     episode_tool_timeout_s: float | None = field(
         default=None,
         metadata={"help": "Longest tool phase of an episode (no model call pending, not returned), in "
@@ -305,6 +312,8 @@ class AprilConfig:
             _fail("max_live_episodes", f"must be >= 1 or unset, got {self.max_live_episodes}")
         if self.max_episode_failures < 0:
             _fail("max_episode_failures", f"must be >= 0, got {self.max_episode_failures}")
+        if self.max_given_up_in_a_row is not None and self.max_given_up_in_a_row < 1:
+            _fail("max_given_up_in_a_row", f"must be >= 1 or unset, got {self.max_given_up_in_a_row}")
         if self.episode_tool_timeout_s is not None and not (
                 math.isfinite(self.episode_tool_timeout_s) and self.episode_tool_timeout_s > 0):
             _fail("episode_tool_timeout_s", f"must be a finite number > 0 or unset, got {self.episode_tool_timeout_s}")

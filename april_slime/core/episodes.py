@@ -8,12 +8,15 @@ episode is a work item of the scheduler of its own kind, beside the plain trajec
 * the group's member ``Trajectory`` is the episode's place in its group and in the buffer; it
   finishes when the function returns, with the returned sample's tokens, log-probs, loss mask and
   per-token versions (``EpisodeAgent.finish``);
-* each model call the function makes is a ``ModelCall``: a ``Trajectory`` of its own whose prompt is
-  the call's input and whose budget is the call's ``max_new_tokens``. It is what the step queues,
+* each model call the function makes is a ``ModelCall`` (a function may have several in flight at
+  once, e.g. agents awaited together with ``asyncio.gather``: each is its own): a ``Trajectory`` of
+  its own whose prompt is the call's input and whose budget is the call's ``max_new_tokens``. It is
+  what the step queues,
   counts against N', dispatches, aborts at target and resumes next step (prompt + partial tokens,
   remaining budget, new weights), exactly as it does a plain trajectory (``work.TrajectoryWork``).
   The function awaits one reply per call, built once the call finished, whatever the number of
-  segments (``EpisodeAgent.reply``); it never sees an abort the plugin caused.
+  segments (``EpisodeAgent.reply``); it never sees an abort the plugin caused. An episode's served
+  calls are kept in the order the function made them, whatever order they finish in.
 
 Between two rollout steps no call reaches an engine (slime pushes weights then, or offloads the
 engines): a call made then waits, pending on its episode, until the next step opens the group.
@@ -28,7 +31,12 @@ opens the group (``open``).
 Faults. A function that raises, or whose tool phase (no call pending, not returned) outlasts
 ``tool_timeout_s``, is re-run alone from its prompt: its calls are forgotten, the rest of its
 group keeps what it has. After ``max_failures`` re-runs the episode is given up: the member is
-marked ``failed`` and the step drops the group (counted). A suspended episode cannot be saved; the
+marked ``failed`` and the step drops the group (counted). A function that cannot make progress
+stops the job instead of being re-run for ever (slime's own rollout raises at its first error): once
+``max_given_up_in_a_row`` episodes were given up with none finished between them, or at once when
+the function's result shows it cannot serve under the plugin (``EpisodeRefused``: a property of its
+code, which a re-run cannot change), the step ends with ``EpisodesFailing``, naming the function and
+its last failure. A suspended episode cannot be saved; the
 checkpoint keeps finished members and restarts the others from their prompts: the data source
 resets them at load and names them to the runner (``restored``), which counts each once, as
 ``restarted``, when a step first opens it.
@@ -52,6 +60,15 @@ class EpisodeError(RuntimeError):
     """An episode's result cannot be used (its tokens do not match the calls it was served)."""
 
 
+class EpisodeRefused(EpisodeError):
+    """A function's result shows that the function itself cannot serve under the plugin (not this
+    episode's bad luck): the job stops at once rather than re-running it."""
+
+
+class EpisodesFailing(RuntimeError):
+    """The job's generate function cannot make progress: the step ends with this error."""
+
+
 @dataclass
 class CallRequest:
     """One ``/generate`` an episode's function sent, as the front parsed it."""
@@ -71,6 +88,7 @@ class ModelCall:
     request: CallRequest
     trajectory: Trajectory
     reply: asyncio.Future
+    number: int = 0  # the order in which the function made its calls (attempt-wide)
 
 
 @dataclass
@@ -80,13 +98,14 @@ class Episode:
     member: Trajectory
     attempt: int = 0  # re-runs after failures
     task: asyncio.Task | None = None
-    pending: ModelCall | None = None
-    served: list[ModelCall] = field(default_factory=list)
+    pending: dict[str, ModelCall] = field(default_factory=dict)  # call uid -> call, made and unanswered
+    served: list[ModelCall] = field(default_factory=list)  # answered calls, in the order they were made
     calls_made: int = 0
     tool_deadline: asyncio.TimerHandle | None = None
     tool_started: float | None = None  # loop time the current tool phase began
     failed: str | None = None  # why it was given up
     group_restarts: int = 0  # the group's restart count when the episode began
+    function: str = "the generate function"  # what runs it, for errors
 
     @property
     def live(self) -> bool:
@@ -94,7 +113,7 @@ class Episode:
 
     def oldest_version(self) -> int | None:
         """Policy version of the oldest model token the episode holds (served calls and partials)."""
-        calls = [c.trajectory for c in self.served] + ([self.pending.trajectory] if self.pending else [])
+        calls = [c.trajectory for c in [*self.served, *self.pending.values()]]
         return min((v for t in calls for v in [t.oldest_version()] if v is not None), default=None)
 
 
@@ -111,6 +130,8 @@ class EpisodeAgent(Protocol):
         """The SGLang reply of a finished call (may cut its tokens at a stop string that spans
         segments)."""
 
+    # optional: ``function_name(member, group) -> str``, what runs ``member``'s episode (for errors)
+
 
 @dataclass
 class EpisodeCounters:
@@ -125,6 +146,7 @@ class EpisodeCounters:
     failures: int = 0  # functions that raised
     timeouts: int = 0  # tool phases past the deadline
     given_up: int = 0
+    refused: int = 0  # results showing the function cannot serve under the plugin (the job stops)
     tool_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
@@ -135,10 +157,13 @@ class EpisodeRunner:
     """Every live episode of the job, and the model calls they wait on."""
 
     def __init__(self, agent: EpisodeAgent, *, max_failures: int = 2, tool_timeout_s: float | None = None,
-                 restored: set[str] | None = None):
+                 max_given_up_in_a_row: int | None = 16, restored: set[str] | None = None):
         self.agent = agent
         self.max_failures = max_failures
         self.tool_timeout_s = tool_timeout_s
+        self.max_given_up_in_a_row = max_given_up_in_a_row  # None: no bound
+        self.given_up_in_a_row = 0  # episodes given up since the last one finished
+        self.failing: str | None = None  # why the job must stop (EpisodesFailing), once it must
         self.episodes: dict[str, Episode] = {}
         self.calls: dict[str, ModelCall] = {}  # call trajectory uid -> call
         self.counters = EpisodeCounters()
@@ -160,7 +185,7 @@ class EpisodeRunner:
         for episode in self.episodes.values():
             if episode.live:
                 episode.member.episode_oldest_version = episode.oldest_version()
-                self.counters.suspended += episode.pending is not None
+                self.counters.suspended += len(episode.pending)
 
     def metrics_since_last(self) -> dict[str, float]:
         """What happened since the previous step's metrics, between steps included (tools run and
@@ -168,7 +193,7 @@ class EpisodeRunner:
         now = self.counters.as_dict()
         delta = {k: now[k] - self._reported[k] for k in now}
         self._reported = now
-        return {**delta, "live": self.live}
+        return {**delta, "live": self.live, "given_up_in_a_row": self.given_up_in_a_row}
 
     def _report(self, *event: Any) -> None:
         if self.events is not None:
@@ -185,9 +210,15 @@ class EpisodeRunner:
         episode = self.episodes.get(member.uid)
         return episode is not None and episode.live
 
+    def check(self) -> None:
+        """Raise ``EpisodesFailing`` once the job's function cannot make progress."""
+        if self.failing is not None:
+            raise EpisodesFailing(self.failing)
+
     def open(self, member: Trajectory, group: Group) -> list[Trajectory]:
         """The step opened ``member``'s group: start its episode if none runs, and return the call
-        trajectory to queue (its pending call, if it has one that is not finished)."""
+        trajectories to queue (its pending calls that are not finished)."""
+        self.check()
         if member.status.finished:
             return []
         self.groups[group.uid] = group
@@ -204,9 +235,7 @@ class EpisodeRunner:
                 self.counters.restarted += 1
             episode = self.episodes[member.uid] = Episode(member, group_restarts=group.restarts)
             self._launch(episode)
-        if episode.pending is not None and not episode.pending.trajectory.status.finished:
-            return [episode.pending.trajectory]
-        return []
+        return [c.trajectory for c in episode.pending.values() if not c.trajectory.status.finished]
 
     def oldest_version(self, member: Trajectory) -> int | None:
         episode = self.episodes.get(member.uid)
@@ -218,6 +247,9 @@ class EpisodeRunner:
         member = episode.member
         group = self.groups[member.group_uid]
         self.counters.started += 1
+        name = getattr(self.agent, "function_name", None)
+        if name is not None:
+            episode.function = name(member, group)
         episode.task = loop.create_task(self._run(episode, self.agent.launch(member, group)))
         self._enter_tools(episode)
 
@@ -234,10 +266,14 @@ class EpisodeRunner:
         self._leave_tools(episode)
         try:
             self.agent.finish(episode.member, episode, result)
+        except EpisodeRefused as e:
+            self._refused(episode, str(e))
+            return
         except Exception as e:
             self._failed(episode, f"its result cannot be used: {type(e).__name__}: {e}")
             return
         self.counters.finished += 1
+        self.given_up_in_a_row = 0
         self._report("episode_done", episode.member)
 
     async def call(self, episode_uid: str, request: CallRequest) -> dict:
@@ -247,17 +283,15 @@ class EpisodeRunner:
         if episode is None or not episode.live:
             raise EpisodeError(f"no live episode {episode_uid!r} (pass the sampling_params the generate "
                                "function was given on to /generate)")
-        if episode.pending is not None:
-            raise EpisodeError(f"episode {episode_uid} made a model call while its previous one runs; "
-                               "calls of one episode must be sequential")
         member = episode.member
-        uid = f"{member.uid}@{episode.attempt}.{episode.calls_made}"
+        number = episode.calls_made
+        uid = f"{member.uid}@{episode.attempt}.{number}"
         episode.calls_made += 1
         t = Trajectory(uid=uid, group_uid=member.group_uid, index_in_group=member.index_in_group,
                        prompt_ids=list(request.input_ids), max_new_tokens=request.max_new_tokens,
                        sampling_seed=member.sampling_seed, sampling_params=dict(request.sampling_params))
-        call = ModelCall(episode, request, t, asyncio.get_running_loop().create_future())
-        episode.pending = call
+        call = ModelCall(episode, request, t, asyncio.get_running_loop().create_future(), number)
+        episode.pending[uid] = call
         self.calls[uid] = call
         self._leave_tools(episode)
         self._report("episode_call", t)
@@ -267,8 +301,9 @@ class EpisodeRunner:
         """The step finished call ``t`` (every segment): answer the function."""
         call = self.calls.pop(t.uid)
         episode = call.episode
-        episode.pending = None
+        del episode.pending[t.uid]
         episode.served.append(call)
+        episode.served.sort(key=lambda c: c.number)  # concurrent calls may finish out of order
         self.counters.calls += 1
         if t.num_calls > 1:
             self.counters.resumed_calls += 1
@@ -278,10 +313,13 @@ class EpisodeRunner:
             call.reply.set_exception(e)
         else:
             call.reply.set_result(reply)
-        self._enter_tools(episode)
+        if not episode.pending:
+            self._enter_tools(episode)
 
     # ------------------------------------------------------------------ tool phases and faults
     def _enter_tools(self, episode: Episode) -> None:
+        if episode.tool_started is not None:
+            return  # already in a tool phase (its deadline runs from when it began)
         loop = asyncio.get_running_loop()
         episode.tool_started = loop.time()
         if self.tool_timeout_s is not None:
@@ -297,7 +335,7 @@ class EpisodeRunner:
 
     def _tool_timeout(self, episode: Episode) -> None:
         episode.tool_deadline = None
-        if self.episodes.get(episode.member.uid) is episode and episode.live and episode.pending is None:
+        if self.episodes.get(episode.member.uid) is episode and episode.live and not episode.pending:
             self.counters.timeouts += 1
             self._failed(episode, f"its tool phase ran past april_episode_tool_timeout_s={self.tool_timeout_s:g}")
 
@@ -311,25 +349,42 @@ class EpisodeRunner:
         logger.warning("episode %s (attempt %d): %s", member.uid, episode.attempt + 1, why)
         self._stop(episode)
         if episode.attempt >= self.max_failures:
-            episode.failed = why
-            self.counters.given_up += 1
-            self._report("episode_done", member)
+            self._give_up(episode, why)
             return
         fresh = self.episodes[member.uid] = Episode(member, attempt=episode.attempt + 1,
                                                     group_restarts=episode.group_restarts)
         member.reset()
         self._launch(fresh)
 
+    def _give_up(self, episode: Episode, why: str) -> None:
+        episode.failed = why
+        self.counters.given_up += 1
+        self.given_up_in_a_row += 1
+        bound = self.max_given_up_in_a_row
+        if self.failing is None and bound is not None and self.given_up_in_a_row >= bound:
+            self.failing = (f"{episode.function} cannot make progress: {self.given_up_in_a_row} episodes in a row "
+                            f"were given up (april_max_given_up_in_a_row={bound}); the last, "
+                            f"{episode.member.uid}, because {why}")
+        self._report("episode_done", episode.member)
+
+    def _refused(self, episode: Episode, why: str) -> None:
+        """The function cannot serve under the plugin: its episode is given up and the job stops."""
+        logger.error("episode %s: %s", episode.member.uid, why)
+        self.counters.refused += 1
+        self._stop(episode)
+        if self.failing is None:
+            self.failing = f"{episode.function} cannot run under the plugin: {why}"
+        self._give_up(episode, why)
+
     def _stop(self, episode: Episode) -> None:
         self._leave_tools(episode)
         if episode.task is not None and not episode.task.done():
             episode.task.cancel()
-        for call in [episode.pending, *episode.served]:
-            if call is not None:
-                self.calls.pop(call.trajectory.uid, None)
-                if not call.reply.done():
-                    call.reply.cancel()
-        episode.pending = None
+        for call in [*episode.pending.values(), *episode.served]:
+            self.calls.pop(call.trajectory.uid, None)
+            if not call.reply.done():
+                call.reply.cancel()
+        episode.pending = {}
 
     def failure_of(self, member: Trajectory) -> str | None:
         episode = self.episodes.get(member.uid)
@@ -380,6 +435,9 @@ class EpisodeWork(TrajectoryWork):
         return [call for member in group.trajectories for call in self.runner.open(member, group)]
 
     def gave_up(self, group: Group) -> bool:
+        """Whether a member's episode was given up (the step drops the group); raises
+        ``EpisodesFailing`` instead once the job's function cannot make progress."""
+        self.runner.check()
         return any(self.runner.failure_of(m) is not None for m in group.trajectories)
 
     def busy(self, groups: list[Group]) -> bool:

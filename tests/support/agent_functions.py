@@ -121,6 +121,64 @@ async def fan_out(args, sample, sampling_params):
     return out
 
 
+async def concurrent_turns(args, sample, sampling_params):
+    """Two model calls awaited together (``asyncio.gather``, as slime's multi_agent runs its agents),
+    then a tool and a third call that continues the first two: one sample whose trainable tokens are
+    the three calls' outputs in the order the function made them, whatever order they finished in."""
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    prompt = TOKENIZER.encode(sample.prompt)
+    async with aiohttp.ClientSession() as session:
+        params = {**sampling_params, "max_new_tokens": PER_TURN}
+        outs = await asyncio.gather(_call(session, url, prompt, params), _call(session, url, prompt + [5], params))
+        CALLS[sample.index] += 2
+        response, mask, logprobs = [], [], []
+        for out in outs:
+            assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+            response += out["output_ids"]
+            mask += [1] * len(out["output_ids"])
+            logprobs += [float(t[0]) for t in out["meta_info"]["output_token_logprobs"]]
+        await asyncio.sleep(0)  # the tool
+        response += TOOL_TOKENS
+        mask += [0] * len(TOOL_TOKENS)
+        logprobs += [0.0] * len(TOOL_TOKENS)
+        out = await _call(session, url, prompt + response, params)
+        CALLS[sample.index] += 1
+        response += out["output_ids"]
+        mask += [1] * len(out["output_ids"])
+        logprobs += [float(t[0]) for t in out["meta_info"]["output_token_logprobs"]]
+    sample.tokens = prompt + response
+    sample.response_length = len(response)
+    sample.response = TOKENIZER.decode(response)
+    sample.loss_mask = mask
+    sample.rollout_log_probs = logprobs
+    sample.status = type(sample).Status.COMPLETED
+    return sample
+
+
+async def always_raises(args, sample, sampling_params):
+    """A function whose tool is down for good: every run raises."""
+    raise ConnectionError(f"tool server unreachable for sample {sample.index}")
+
+
+async def without_log_probs(args, sample, sampling_params):
+    """``multi_turn``'s episode returned without ``rollout_log_probs``, as slime's tau-bench returns
+    its samples."""
+    whole, _ = await _episode(args, sample, sampling_params)
+    whole.rollout_log_probs = None
+    return whole
+
+
+STRING_STATUSES = ("completed", "truncated", "aborted")
+
+
+async def string_status(args, sample, sampling_params):
+    """``multi_turn``'s episode with a string status, as slime's tau-bench sets it (one of
+    ``STRING_STATUSES`` by sample index)."""
+    whole, _ = await _episode(args, sample, sampling_params)
+    whole.status = STRING_STATUSES[sample.index % len(STRING_STATUSES)]
+    return whole
+
+
 FILTERED: list[list[str]] = []  # what keep_all saw of each group: the type names of its samples
 
 

@@ -41,6 +41,33 @@ EXAMPLE_MODULES = ("generate_with_search", "qa_em_format", "local_search_server"
 FOLDERS = {"generate_with_search": "search-r1", "generate_with_retool": "retool"}
 
 
+AGENTS_TARBALL = TARBALL.with_name("slime-624b824a8-examples-agents.tar.gz")
+AGENT_MODULES = ("generate_with_tau", "trainable_agents", "openai_tool_adapter", "sglang_tool_parser",
+                 "token_delta", "examples", "examples.multi_agent", "examples.multi_agent.agent_system",
+                 "examples.multi_agent.prompts", "examples.multi_agent.rollout_with_multi_agents")
+MULTI_AGENT = "examples.multi_agent.rollout_with_multi_agents.generate_with_multi_agents"
+
+
+def extract_agent_examples(root: Path) -> Path:
+    """slime's ``examples/multi_agent`` and ``examples/tau-bench``, extracted unedited under
+    ``root``; returns the folder holding ``examples/`` (multi_agent loads its agents by the path
+    ``examples.multi_agent...``, so that folder goes on ``sys.path``)."""
+    if not AGENTS_TARBALL.is_file():
+        raise FileNotFoundError(f"slime's agent examples tarball is not at {AGENTS_TARBALL}")
+    with tarfile.open(AGENTS_TARBALL) as tar:
+        tar.extractall(root, filter="data")
+    (folder,) = root.glob("*/examples")
+    return folder.parent
+
+
+async def batch_reward(args, samples, **kwargs):
+    """A reward for ``--custom-rm-path`` called as slime calls it, per sample or batched (multi_agent
+    rewards its agents' samples with ``batched_async_rm``): 1.0 for an even response length."""
+    if isinstance(samples, list):
+        return [float(s.response_length % 2 == 0) for s in samples]
+    return float(samples.response_length % 2 == 0)
+
+
 def extract_examples(root: Path) -> Path:
     """slime's ``examples/`` folder (search-r1 and retool only), extracted unedited under ``root``."""
     if not TARBALL.is_file():

@@ -218,7 +218,7 @@ class EpisodeDriver:
         episode = self.episodes.episodes.get(member.uid) if self.episodes is not None else None
         if episode is None:
             return None
-        return [c.trajectory for c in episode.served] + ([episode.pending.trajectory] if episode.pending else [])
+        return [c.trajectory for c in [*episode.served, *episode.pending.values()]]
 
     def _state(self, member: Trajectory) -> tuple[int, int, list[list[int]]]:
         """(model tokens held, context length past the prompt, version runs of those tokens)."""
