@@ -83,6 +83,12 @@ class AprilConfig:
         metadata={"help": "What happens to a buffered group past max_staleness: restart (regenerate "
                           "from its prompt) or drop (count it and discard)."},
     )
+    max_interruptions: int | None = field(
+        default=None,
+        metadata={"help": "Times a group may be suspended at a step's target (aborted with work left and "
+                          "carried over) before it is protected: resumed first and run to completion in "
+                          "its next step instead of being aborted again. Unset: never protected."},
+    )
     resume_priority: str = field(
         default="verl",
         metadata={"help": "Order in which buffered groups are resumed: verl (fewest unfinished samples, "
@@ -274,6 +280,8 @@ class AprilConfig:
             _fail("over_sampling_factor", f"must be a finite number >= 1, got {self.over_sampling_factor}")
         if self.max_staleness is not None and self.max_staleness < 0:
             _fail("max_staleness", f"must be >= 0 or unset, got {self.max_staleness}")
+        if self.max_interruptions is not None and self.max_interruptions < 1:
+            _fail("max_interruptions", f"must be >= 1 or unset, got {self.max_interruptions}")
         if self.min_concurrency < 1:
             _fail("min_concurrency", f"must be >= 1, got {self.min_concurrency}")
         if self.max_concurrency is not None and self.max_concurrency < self.min_concurrency:
