@@ -388,6 +388,44 @@ def test_without_pacing_the_same_runs_throw_work_away(policy, bound, monkeypatch
     run_virtual(main())
 
 
+def starving_client():
+    """One response in ten is 400 tokens long against 2-8 for the rest: a step meets its target
+    within a few dozen token times, so without protection a long one is aborted at step after step."""
+    return FakeClient(token_time=0.002, short=(2, 8), long=(400, 400), long_frac=0.1)
+
+
+async def run_protection(max_interruptions, steps=8):
+    sched, client, buffer = make("copris", client=starving_client(), batch=3, n=2, concurrency=8,
+                                 max_interruptions=max_interruptions)
+    prompts = Prompts(2, max_new_tokens=400)
+    returned, longest, protected, metrics = [], 0, 0, []
+    for step in range(steps):
+        res = await sched.run_step(prompts, current_version=step)
+        assert len(res.groups) == 3
+        returned += [g.uid for g in res.groups]
+        check_conservation(prompts, returned, buffer)
+        check_tokens_delivered(client, [*res.groups, *buffer.groups()])
+        longest = max([longest, *(t.response_length for g in res.groups for t in g.trajectories)])
+        protected += res.metrics["april/protected_groups"]
+        metrics.append(res.metrics)
+        client.version += 1
+    return longest, protected, metrics, buffer
+
+
+@virtual_clock
+async def test_protection_lets_a_long_response_finish_instead_of_starving():
+    """max_interruptions 2: a group suspended twice is resumed first at the next step and runs to
+    completion there, so no trained sample was interrupted more than twice and the 400-token
+    responses are trained; without protection the same run trains none of them in 8 steps."""
+    longest, protected, metrics, _ = await run_protection(max_interruptions=2)
+    assert protected > 0 and longest == 400
+    assert all(m["april/interruptions_max"] <= 2 for m in metrics)
+    assert all(m["april/stale_fallback_groups"] == 0 for m in metrics)
+    unprotected_longest, none, unprotected, buffer = await run_protection(max_interruptions=None)
+    assert none == 0 and unprotected_longest < 400
+    assert max(g.interruptions for g in buffer.groups()) > 2, "nothing starved: the test shows nothing"
+
+
 @virtual_clock
 async def test_staleness_metrics_without_bound():
     sched, client, buffer = make("copris", batch=2, n=2, concurrency=6)
@@ -954,9 +992,13 @@ async def test_emulator_staleness_bound_and_filter(emulator):
             for t in g.trajectories:
                 assert t.staleness(step) <= 1
                 check_reference(running.cluster.model, t)
+        # pacing, not the restart fallback, kept the bound (a healthy emulator never needs it)
+        assert res.metrics["april/stale_fallback_groups"] == 0
+        assert res.metrics["april/token_staleness_max"] <= 1
         returned += [g.uid for g in res.groups]
         check_conservation(prompts, returned, buffer, discarded=len(set(rejected)))
         running.cluster.bump_weight_version()
+    assert buffer.restarted_groups == buffer.dropped_groups == 0
 
 
 async def test_emulator_engine_failure_mid_step(emulator):
