@@ -165,6 +165,17 @@ class AprilConfig:
     )
     is_low: float = field(default=0.0, metadata={"help": "Lower IS threshold (0 = none)."})
     is_high: float = field(default=2.0, metadata={"help": "Upper IS threshold."})
+    stale_token_lag: int | None = field(
+        default=None,
+        metadata={"help": "Tokens generated more than this many policy versions before the step that trains "
+                          "them get april_stale_token_weight in the policy loss, apart from the IS correction "
+                          "(custom loss; metric stale_token_frac). Unset: off."},
+    )
+    stale_token_weight: float = field(
+        default=0.0,
+        metadata={"help": "Loss weight of the tokens older than april_stale_token_lag: 0 masks them, "
+                          "a value in (0, 1) down-weights them."},
+    )
     loss_level: str = field(
         default="token",
         metadata={"help": "token: GRPO/DAPO per-token clipped objective; sequence: GSPO "
@@ -312,6 +323,14 @@ class AprilConfig:
         if not (0.0 <= self.is_low < self.is_high) or not math.isfinite(self.is_high):
             _fail("is_high" if self.is_low >= 0 else "is_low",
                   f"need 0 <= is_low < is_high < inf, got is_low={self.is_low}, is_high={self.is_high}")
+        if self.stale_token_lag is not None and self.stale_token_lag < 0:
+            _fail("stale_token_lag", f"must be >= 0 or unset, got {self.stale_token_lag}")
+        if not 0.0 <= self.stale_token_weight < 1.0:
+            _fail("stale_token_weight", f"must be in [0, 1), got {self.stale_token_weight}")
+        if self.stale_token_weight and self.stale_token_lag is None:
+            _fail("stale_token_weight", "only read with april_stale_token_lag set")
+        if self.stale_token_lag is not None and self.vcpo_baseline:
+            _fail("stale_token_lag", "not available with april_vcpo_baseline (its loss is reduced per trajectory)")
         if not (0.0 < self.vcpo_rho_on <= 1.0):
             _fail("vcpo_rho_on", f"must be in (0, 1], got {self.vcpo_rho_on}")
         if self.vcpo_rho_on_estimate and self.vcpo_rho_on != 1.0:
