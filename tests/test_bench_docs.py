@@ -67,3 +67,19 @@ def test_an_empty_block_is_found_empty():
     text = "x\n<!-- bench-report headline docs/bench_headline.json -->\n<!-- /bench-report -->\ny\n"
     [(kind, paths, start, end)] = docs_report.blocks(text)
     assert kind == "headline" and paths == ["docs/bench_headline.json"] and start == end
+
+
+def test_readme_vcpo_cpu_figures_are_the_json_and_unbacked_figures_are_gone():
+    """The README's VCPO CPU overhead is what docs/vcpo_overhead_cpu.json holds; figures no
+    committed JSON of the current code backs (the old H100 ratios, the real-SGLang policy timing)
+    are not quoted."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = {r["variant"]: r for r in json.loads((ROOT / "docs/vcpo_overhead_cpu.json").read_text())["rows"]}
+    for variant in ("opob_packed", "opob_single"):
+        r = rows[variant]
+        quoted = f"{r['ratio_to_plain_median']:.2f}x the plain\nstep's time" if variant == "opob_packed" else \
+            f"{r['ratio_to_plain_median']:.2f}x at {r['peak_rss_ratio_to_plain']:.2f}x"
+        assert quoted in readme, f"README lacks the {variant} figures of the JSON ({quoted!r})"
+    assert f"at {rows['opob_packed']['peak_rss_ratio_to_plain']:.2f}x its peak memory" in readme
+    for unbacked in ("1.32x step", "7.9x at 4K", "2.2x\nthe step time", "(1.91x", "(2.45x"):
+        assert unbacked not in readme, f"README quotes {unbacked!r}, which no committed JSON of this code backs"
