@@ -83,12 +83,9 @@ class AprilConfig:
         metadata={"help": "What happens to a buffered group past max_staleness: restart (regenerate "
                           "from its prompt) or drop (count it and discard)."},
     )
-    max_interruptions: int | None = field(
-        default=None,
-        metadata={"help": "Times a group may be suspended at a step's target (aborted with work left and "
-                          "carried over) before it is protected: resumed first and run to completion in "
-                          "its next step instead of being aborted again. Unset: never protected."},
-    )
+    max_interruptions: int | None = field(default=None, metadata={"help": (
+        "Times a group may be suspended at a step's target (aborted with work left, carried over) before it "
+        "is protected: resumed first and run to completion in its next step. Unset: never protected.")})
     resume_priority: str = field(
         default="verl",
         metadata={"help": "Order in which buffered groups are resumed: verl (fewest unfinished samples, "
@@ -165,17 +162,12 @@ class AprilConfig:
     )
     is_low: float = field(default=0.0, metadata={"help": "Lower IS threshold (0 = none)."})
     is_high: float = field(default=2.0, metadata={"help": "Upper IS threshold."})
-    stale_token_lag: int | None = field(
-        default=None,
-        metadata={"help": "Tokens generated more than this many policy versions before the step that trains "
-                          "them get april_stale_token_weight in the policy loss, apart from the IS correction "
-                          "(custom loss; metric stale_token_frac). Unset: off."},
-    )
-    stale_token_weight: float = field(
-        default=0.0,
-        metadata={"help": "Loss weight of the tokens older than april_stale_token_lag: 0 masks them, "
-                          "a value in (0, 1) down-weights them."},
-    )
+    stale_token_lag: int | None = field(default=None, metadata={"help": (
+        "Tokens generated more than this many policy versions before the step that trains them get "
+        "april_stale_token_weight in the policy loss, apart from the IS correction (custom loss; metric "
+        "stale_token_frac). Unset: off.")})
+    stale_token_weight: float = field(default=0.0, metadata={"help": (
+        "Loss weight of the tokens older than april_stale_token_lag: 0 masks them, (0, 1) down-weights them.")})
     loss_level: str = field(
         default="token",
         metadata={"help": "token: GRPO/DAPO per-token clipped objective; sequence: GSPO "
@@ -289,10 +281,7 @@ class AprilConfig:
             _fail("concurrency", f"must be >= 1, got {self.concurrency}")
         if not (math.isfinite(self.over_sampling_factor) and self.over_sampling_factor >= 1.0):
             _fail("over_sampling_factor", f"must be a finite number >= 1, got {self.over_sampling_factor}")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            _fail("max_staleness", f"must be >= 0 or unset, got {self.max_staleness}")
-        if self.max_interruptions is not None and self.max_interruptions < 1:
-            _fail("max_interruptions", f"must be >= 1 or unset, got {self.max_interruptions}")
+        _check_staleness(self)
         if self.min_concurrency < 1:
             _fail("min_concurrency", f"must be >= 1, got {self.min_concurrency}")
         if self.max_concurrency is not None and self.max_concurrency < self.min_concurrency:
@@ -323,14 +312,6 @@ class AprilConfig:
         if not (0.0 <= self.is_low < self.is_high) or not math.isfinite(self.is_high):
             _fail("is_high" if self.is_low >= 0 else "is_low",
                   f"need 0 <= is_low < is_high < inf, got is_low={self.is_low}, is_high={self.is_high}")
-        if self.stale_token_lag is not None and self.stale_token_lag < 0:
-            _fail("stale_token_lag", f"must be >= 0 or unset, got {self.stale_token_lag}")
-        if not 0.0 <= self.stale_token_weight < 1.0:
-            _fail("stale_token_weight", f"must be in [0, 1), got {self.stale_token_weight}")
-        if self.stale_token_weight and self.stale_token_lag is None:
-            _fail("stale_token_weight", "only read with april_stale_token_lag set")
-        if self.stale_token_lag is not None and self.vcpo_baseline:
-            _fail("stale_token_lag", "not available with april_vcpo_baseline (its loss is reduced per trajectory)")
         if not (0.0 < self.vcpo_rho_on <= 1.0):
             _fail("vcpo_rho_on", f"must be in (0, 1], got {self.vcpo_rho_on}")
         if self.vcpo_rho_on_estimate and self.vcpo_rho_on != 1.0:
@@ -370,6 +351,22 @@ class AprilConfig:
 
     def resolved_concurrency(self, rollout_batch_size: int, n_samples_per_prompt: int) -> int:
         return self.concurrency or rollout_batch_size * n_samples_per_prompt
+
+
+def _check_staleness(c: AprilConfig) -> None:
+    """The settings of the staleness bound, of protection and of the loss's stale-token weight."""
+    if c.max_staleness is not None and c.max_staleness < 0:
+        _fail("max_staleness", f"must be >= 0 or unset, got {c.max_staleness}")
+    if c.max_interruptions is not None and c.max_interruptions < 1:
+        _fail("max_interruptions", f"must be >= 1 or unset, got {c.max_interruptions}")
+    if c.stale_token_lag is not None and c.stale_token_lag < 0:
+        _fail("stale_token_lag", f"must be >= 0 or unset, got {c.stale_token_lag}")
+    if not 0.0 <= c.stale_token_weight < 1.0:
+        _fail("stale_token_weight", f"must be in [0, 1), got {c.stale_token_weight}")
+    if c.stale_token_weight and c.stale_token_lag is None:
+        _fail("stale_token_weight", "only read with april_stale_token_lag set")
+    if c.stale_token_lag is not None and c.vcpo_baseline:
+        _fail("stale_token_lag", "not available with april_vcpo_baseline (its loss is reduced per trajectory)")
 
 
 def _fail(name: str, reason: str) -> None:
