@@ -27,8 +27,9 @@ from .multiturn import EpisodeDriver, episode_length_stats, episode_summary
 from .spec import EngineSpec
 from .workloads import MODES, LengthStats, SyntheticPrompts, Workload, ideal_throughput, length_stats
 
-
 # ============================================================================ one policy run
+WORKLOAD_BOUND = "workload"  # run_policy / RunPoint: the workload's own max_staleness
+
 @dataclass
 class StepRecord:
     index: int
@@ -49,6 +50,7 @@ class StepRecord:
     # Trained response tokens that a sample generated before an abort and resumed later (APRIL
     # §3.2.3's "tokens carried over from truncated instances"); returned tokens in ``metrics``.
     carried_tokens: int = 0
+    tool_wait_s: float = 0.0  # multi-turn: emulated seconds tool calls waited for a free worker
 
 
 @dataclass
@@ -184,17 +186,21 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
                      mode: str = "virtual", time_scale: float = 1.0,
                      concurrency: int | None = None, over_sampling_factor: float | None = None,
                      max_response_len: int | None = None, on_step=None,
-                     driver: EpisodeDriver | None = None, token_arrays: bool = True) -> PolicyRun:
+                     driver: EpisodeDriver | None = None, token_arrays: bool = True,
+                     max_staleness: int | None | str = WORKLOAD_BOUND) -> PolicyRun:
     """Run one policy for ``workload.steps`` rollout + training steps on a fresh emulated cluster,
     inside the running event loop (virtual: the caller runs this under ``run_virtual``). A
     multi-turn workload runs through an ``EpisodeDriver`` (made here unless given).
     ``token_arrays=False`` (virtual mode) hands the client SGLang's lists instead of the engines'
-    token arrays: the same run, slower (the reference the arrays are tested against)."""
+    token arrays: the same run, slower (the reference the arrays are tested against).
+    ``max_staleness``: the bound of this run (None: unbounded); by default the workload's."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     scale = 1.0 if mode == "virtual" else float(time_scale)
     budget = max_response_len or workload.max_response_len
     factor = over_sampling_factor if over_sampling_factor is not None else workload.over_sampling_factor
+    if max_staleness != WORKLOAD_BOUND:
+        workload = replace(workload, max_staleness=max_staleness)
     config = _policy_config(policy, workload, concurrency, factor)
     wall0 = time.perf_counter()
     cluster = EmulatorCluster(
@@ -256,6 +262,7 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
         for index in range(workload.steps):
             counters.append(await _cluster_counters(transport, cluster.router_url))
             start = cluster.now()
+            wait0 = driver.agent.tool_wait_s if driver and driver.agent else 0.0
             if driver:
                 held_before = driver.snapshot(buffer.groups())
             else:
@@ -274,7 +281,8 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
             train_s = sum(parts.values())
             records.append(StepRecord(index, version, start, rollout_s, train_s, result.metrics,
                                       tracked, context_sum, held, age, parts["buffered"], trained,
-                                      _carried_tokens(result.groups)))
+                                      _carried_tokens(result.groups),
+                                      (driver.agent.tool_wait_s - wait0) if driver and driver.agent else 0.0))
             if index == workload.steps - 1:
                 counters.append(await _cluster_counters(transport, cluster.router_url))
             if on_step is not None:
@@ -291,7 +299,8 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
                       "concurrency": (config.resolved_concurrency(workload.rollout_batch_size,
                                                                   workload.n_samples_per_prompt)
                                       if policy.startswith("copris") else None),
-                      "mode": mode, "time_scale": scale},
+                      "mode": mode, "time_scale": scale, "max_staleness": config.max_staleness,
+                      "tool_busy_max": driver.agent.tool_busy_max if driver and driver.agent else None},
             steps=records, timeline=timeline, capacity_tokens=spec.kv_capacity() * spec.num_engines,
             num_engines=spec.num_engines, counters=counters, warmup_steps=warmup,
             stationary=stationary,
@@ -394,8 +403,13 @@ def summarize(run: PolicyRun, ideal_tokens_per_s: float, spec: EngineSpec | None
     mean_context = sum(s.context_token_sum for s in steps) / tracked if tracked else 0.0
     mix_ideal = mix_ideal_throughput(spec, mean_context) if spec is not None else 0.0
     episodes = episode_summary(m) if "april/episodes/calls" in m[0] else {}
+    if episodes:
+        episodes["tool_wait_s_per_step"] = sum(s.tool_wait_s for s in steps) / len(steps)
+        episodes["tool_busy_max"] = run.settings.get("tool_busy_max")
     return {
         **episodes,
+        **staleness_summary(m),
+        "bound": run.settings.get("max_staleness"),
         "warmup_steps": run.warmup_steps,
         "stationary": run.stationary,
         "throughput_tokens_per_s": throughput,
@@ -438,6 +452,39 @@ def summarize(run: PolicyRun, ideal_tokens_per_s: float, spec: EngineSpec | None
     }
 
 
+def staleness_summary(metrics: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """What a staleness bound did over the steady-state steps: the version lag of the trained
+    tokens (token-weighted mean, max, histogram), the tokens the buffer's restart / drop fallback
+    threw away (``stale_discarded_tokens``; pacing itself discards nothing), what pacing and
+    protection did per step. Totals are over the measured steps, as ``discarded_tokens``."""
+    tokens = sum(x["april/returned_tokens"] for x in metrics)
+    hist: dict[int, float] = {}
+    for x in metrics:
+        for key, value in x.items():
+            if key.startswith("april/token_staleness_hist/"):
+                k = int(key.rsplit("/", 1)[1])
+                hist[k] = hist.get(k, 0.0) + value
+    n = len(metrics)
+    samples = sum(x["april/returned_groups"] for x in metrics)  # groups; weights the per-sample mean
+
+    def per_step(key: str) -> float:
+        return sum(x.get(f"april/{key}", 0.0) for x in metrics) / n
+
+    return {
+        "token_staleness_mean": (sum(x["april/token_staleness_mean"] * x["april/returned_tokens"] for x in metrics)
+                                 / tokens if tokens else 0.0),
+        "token_staleness_max": int(max((x["april/token_staleness_max"] for x in metrics), default=0)),
+        "token_staleness_hist": {str(k): hist[k] / tokens for k in sorted(hist)} if tokens else {},
+        "stale_discarded_tokens": int(sum(x.get("april/stale_discarded_tokens", 0.0) for x in metrics)),
+        "stale_fallback_groups": int(sum(x.get("april/stale_fallback_groups", 0.0) for x in metrics)),
+        "pacing_deferred_per_step": per_step("pacing_deferred_groups"),
+        "pacing_held_opens_per_step": per_step("pacing_held_opens"),
+        "protected_groups_per_step": per_step("protected_groups"),
+        "interruptions_per_sample": (sum(x.get("april/interruptions_per_sample", 0.0) * x["april/returned_groups"]
+                                         for x in metrics) / samples if samples else 0.0),
+    }
+
+
 # ============================================================================ benchmark plans
 @dataclass(frozen=True)
 class RunPoint:
@@ -448,11 +495,13 @@ class RunPoint:
     concurrency: int | None = None
     over_sampling_factor: float | None = None
     max_response_len: int | None = None
+    max_staleness: int | None | str = WORKLOAD_BOUND
 
 
 def plan(workload: Workload) -> list[RunPoint]:
     if workload.sweep == "none":
-        return [RunPoint(p, p) for p in workload.policies]
+        return [RunPoint(label, p, max_staleness=bound if workload.staleness_bounds else WORKLOAD_BOUND)
+                for label, p, bound in workload.run_labels()]
     points: list[RunPoint] = []
     if workload.sweep == "context":
         for value in workload.sweep_values:
@@ -518,7 +567,7 @@ async def _run_all(workload: Workload, spec: EngineSpec, mode: str, time_scale: 
         run = await run_policy(point.label, point.policy, workload, spec, mode=mode,
                                time_scale=time_scale, concurrency=point.concurrency,
                                over_sampling_factor=point.over_sampling_factor,
-                               max_response_len=point.max_response_len,
+                               max_response_len=point.max_response_len, max_staleness=point.max_staleness,
                                on_step=lambda record, label=point.label: progress.step(label, record))
         runs.append(run)
         progress.run_done(run)
