@@ -83,3 +83,20 @@ def test_readme_vcpo_cpu_figures_are_the_json_and_unbacked_figures_are_gone():
     assert f"at {rows['opob_packed']['peak_rss_ratio_to_plain']:.2f}x its peak memory" in readme
     for unbacked in ("1.32x step", "7.9x at 4K", "2.2x\nthe step time", "(1.91x", "(2.45x"):
         assert unbacked not in readme, f"README quotes {unbacked!r}, which no committed JSON of this code backs"
+
+
+def test_rows_with_the_training_fit_run_as_an_arm_are_partly_fitted():
+    """The training phase is fitted on CoPRIS tab. 2's N' = 1024 run; a row published as held out
+    with that run as an arm is counted apart, in the code and in the committed JSON alike; the
+    length statistics a law is solved to meet are flagged as inputs."""
+    from april_slime.workbench.bench.reproduce import PARTLY_FITTED, SOLVED_STATISTICS, rows, tab2_reference
+
+    table = rows()
+    ref = tab2_reference()
+    marked = {r.name for r in table if r.role == PARTLY_FITTED}
+    assert marked == {r.name for r in table if r.role != "fit" and ref in (r.numerator, r.denominator)}
+    assert len(marked) == 5 and not any("Distill-Qwen-7B" in name for name in marked)
+    data = json.loads((ROOT / "docs/bench_reproduce.json").read_text())
+    assert {r["name"]: r["role"] for r in data["rows"]} == {r.name: r.role for r in table}
+    assert {s["name"] for s in data["statistics"] if s.get("solved")} == set(SOLVED_STATISTICS)
+    assert reproduce_counts(data["rows"])["partly fitted"]["rows"] == 5

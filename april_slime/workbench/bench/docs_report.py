@@ -46,9 +46,10 @@ def _seconds(value: float | None) -> str:
 
 # ============================================================================ reproduce
 def reproduce_counts(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per role: rows, mean and worst |difference|, rows within +-WITHIN."""
+    """Per role (fit, held-out, partly fitted: held out but with the training fit's run as an arm):
+    rows, mean and worst |difference|, rows within +-WITHIN."""
     out = {}
-    for role in ("fit", "held-out"):
+    for role in ("fit", "held-out", "partly fitted"):
         errs = [abs(r["difference"]) for r in rows if r["role"] == role]
         if errs:
             out[role] = {"rows": len(errs), "mean": sum(errs) / len(errs), "max": max(errs),
@@ -59,9 +60,15 @@ def reproduce_counts(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def reproduce_summary(data: dict[str, Any]) -> str:
     c = reproduce_counts(data["rows"])
     fit, held = c["fit"], c["held-out"]
-    return (f"**Fit rows: {fit['mean']:.1%} mean |diff| over {fit['rows']} rows ({fit['within']} within "
+    text = (f"**Fit rows: {fit['mean']:.1%} mean |diff| over {fit['rows']} rows ({fit['within']} within "
             f"±{WITHIN:.0%}); held-out rows: {held['mean']:.1%} mean, {held['max']:.1%} worst, "
-            f"{held['within']} of {held['rows']} within ±{WITHIN:.0%}.**")
+            f"{held['within']} of {held['rows']} within ±{WITHIN:.0%}")
+    part = c.get("partly fitted")
+    if part:
+        text += (f"; partly fitted rows (held out, but one arm is the run veRL's training phase is fitted "
+                 f"on): {part['mean']:.1%} mean, {part['max']:.1%} worst, {part['within']} of {part['rows']} "
+                 f"within ±{WITHIN:.0%}")
+    return text + ".**"
 
 
 def reproduce_table(data: dict[str, Any]) -> str:
@@ -83,6 +90,8 @@ def reproduce_statistics(data: dict[str, Any]) -> str:
         published = (f"{s['low']:,.0f}-{s['high']:,.0f}" if "low" in s else
                      f"< {pub:,.0f}" if "high" in s else f"{pub:.0%}" if s["unit"] == "fraction" else f"{pub:,.0f}")
         emulated = f"{s['emulated']:.0%}" if s["unit"] == "fraction" else f"{s['emulated']:,.0f}"
+        if s.get("solved"):
+            emulated += " (solved input, not an output)"
         rows.append([s["name"], published, emulated, s["where"]])
     return _table(["statistic", "published", "emulated", "emulated on"], rows)
 
