@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Which blocks each document must carry: removing one is as wrong as editing it.
 REQUIRED = {
-    "README.md": {"headline", "reproduce-summary", "multi-turn"},
+    "README.md": {"headline", "reproduce-summary", "multi-turn", "bounds"},
     "docs/bench.md": {"headline", "reproduce-table", "reproduce-statistics", "reproduce-absolute", "fit",
-                      "cpu-engine", "multi-turn"},
+                      "cpu-engine", "multi-turn", "bounds"},
 }
 
 
@@ -100,3 +100,19 @@ def test_rows_with_the_training_fit_run_as_an_arm_are_partly_fitted():
     assert {r["name"]: r["role"] for r in data["rows"]} == {r.name: r.role for r in table}
     assert {s["name"] for s in data["statistics"] if s.get("solved")} == set(SOLVED_STATISTICS)
     assert reproduce_counts(data["rows"])["partly fitted"]["rows"] == 5
+
+
+def test_the_bounds_table_is_its_json(tmp_path):
+    """The staleness-bounds table renders the committed band: a changed share of the gain kept or
+    a fallback that threw tokens away shows up as a document that no longer matches."""
+    shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("*.png"))
+    path = "docs/bench_multiturn_bounds.json"
+    text = update(f"<!-- bench-report bounds {path} -->\n<!-- /bench-report -->\n", str(tmp_path))
+    data = json.loads((tmp_path / path).read_text())
+    band = data["band"]["multi_turn"]
+    kept = band["gain_retained"]["copris@s2"]
+    assert f"{kept['nominal']:.0%} ({kept['min']:.0%}-{kept['max']:.0%})" in text
+    assert check(text, str(tmp_path)) == []
+    band["policies"]["copris@s2"]["stale_discarded_tokens_max"] += 1000
+    (tmp_path / path).write_text(json.dumps(data))
+    assert check(text, str(tmp_path)) == [f"bounds {path}"]

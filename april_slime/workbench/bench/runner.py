@@ -22,6 +22,7 @@ from april_slime.core.transport import HttpTransport
 from april_slime.core.types import Group
 from april_slime.workbench.emulator import EmulatorCluster, SyntheticLM, run_virtual
 
+from .bounds import staleness_summary
 from .dispatch import SplitDispatch
 from .multiturn import EpisodeDriver, episode_length_stats, episode_summary
 from .spec import EngineSpec
@@ -449,39 +450,6 @@ def summarize(run: PolicyRun, ideal_tokens_per_s: float, spec: EngineSpec | None
         "over_sampling_factor": run.settings["over_sampling_factor"] if run.policy == "april" else None,
         "steps_measured": len(steps),
         "wall_s": run.wall_s,
-    }
-
-
-def staleness_summary(metrics: Sequence[dict[str, float]]) -> dict[str, Any]:
-    """What a staleness bound did over the steady-state steps: the version lag of the trained
-    tokens (token-weighted mean, max, histogram), the tokens the buffer's restart / drop fallback
-    threw away (``stale_discarded_tokens``; pacing itself discards nothing), what pacing and
-    protection did per step. Totals are over the measured steps, as ``discarded_tokens``."""
-    tokens = sum(x["april/returned_tokens"] for x in metrics)
-    hist: dict[int, float] = {}
-    for x in metrics:
-        for key, value in x.items():
-            if key.startswith("april/token_staleness_hist/"):
-                k = int(key.rsplit("/", 1)[1])
-                hist[k] = hist.get(k, 0.0) + value
-    n = len(metrics)
-    samples = sum(x["april/returned_groups"] for x in metrics)  # groups; weights the per-sample mean
-
-    def per_step(key: str) -> float:
-        return sum(x.get(f"april/{key}", 0.0) for x in metrics) / n
-
-    return {
-        "token_staleness_mean": (sum(x["april/token_staleness_mean"] * x["april/returned_tokens"] for x in metrics)
-                                 / tokens if tokens else 0.0),
-        "token_staleness_max": int(max((x["april/token_staleness_max"] for x in metrics), default=0)),
-        "token_staleness_hist": {str(k): hist[k] / tokens for k in sorted(hist)} if tokens else {},
-        "stale_discarded_tokens": int(sum(x.get("april/stale_discarded_tokens", 0.0) for x in metrics)),
-        "stale_fallback_groups": int(sum(x.get("april/stale_fallback_groups", 0.0) for x in metrics)),
-        "pacing_deferred_per_step": per_step("pacing_deferred_groups"),
-        "pacing_held_opens_per_step": per_step("pacing_held_opens"),
-        "protected_groups_per_step": per_step("protected_groups"),
-        "interruptions_per_sample": (sum(x.get("april/interruptions_per_sample", 0.0) * x["april/returned_groups"]
-                                         for x in metrics) / samples if samples else 0.0),
     }
 
 
