@@ -165,9 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "production scheduler against the SGLang emulator. `april-slime bench "
                     "reproduce` sets up the published figures. See docs/bench.md.")
     p.add_argument("workload", nargs="?", default="dapo16k", choices=sorted(WORKLOADS),
-                   help="what to run (default: dapo16k, the headline: 30 steps x 4 policies, "
-                        "about 3 minutes of CPU; multi-turn: agent episodes with tools, run beside "
-                        "their single-turn twin of equal tokens)")
+                   help="what to run (default: dapo16k, the headline: 30 steps x 4 policies, the "
+                        "partial-rollout ones at 4 staleness bounds, about 10 minutes of CPU; "
+                        "multi-turn: agent episodes with tools, run beside their single-turn twin of "
+                        "equal tokens)")
     p.add_argument("--mode", choices=MODES, default="virtual",
                    help="virtual: in-process, virtual clock (fast); http: real HTTP on loopback, "
                         "emulator clock at --time-scale (as slow as the emulated time / scale)")
