@@ -179,6 +179,20 @@ def token_versions(batch: dict, response_lengths: list[int]) -> TokenVersions | 
     return versions, references
 
 
+def _stale_token_weights(config: AprilConfig, mb: "SlimeMicrobatch") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(weights, stale) per packed token for ``april_stale_token_lag``, or None when it is off."""
+    if config.stale_token_lag is None:
+        return None
+    if mb.versions is None:
+        raise ValueError(f"april_stale_token_lag needs the per-token versions ({TOKEN_VERSIONS_KEY}) of the "
+                         "samples; this micro-batch has none")
+    lags, known = offpolicy.token_lags(*mb.versions, mb.packing)
+    weights, stale = offpolicy.stale_token_weights(lags, known, config.stale_token_lag, config.stale_token_weight,
+                                                   dtype=mb.whole.old_log_probs.dtype)
+    device = mb.whole.old_log_probs.device
+    return weights.to(device), stale.to(device)
+
+
 def _staleness_metrics(versions: TokenVersions, packing: offpolicy.Packing, behaviour_ratio: torch.Tensor,
                        to_local: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
     per_sample, references = versions
@@ -350,6 +364,7 @@ def policy_loss(
 
     mb = read_batch(args, config, batch, logits)
     whole, packing, mask = mb.whole, mb.packing, mb.whole.loss_mask
+    stale = None  # april_stale_token_lag's (weights, stale) per token (refused with vcpo_baseline)
     if config.vcpo_baseline:
         opob = _opob_loss(mb, logits)
         objective = opob.objective(whole.log_probs, whole.old_log_probs, whole.rollout_log_probs, mask)
@@ -362,7 +377,8 @@ def policy_loss(
             eps_clip_high=getattr(args, "eps_clip_high", None), eps_clip_c=getattr(args, "eps_clip_c", None),
             loss_level=loss_level,
         )
-        pg_loss = sum_of_sample_mean(mb.to_local(objective.loss))
+        stale = _stale_token_weights(config, mb)
+        pg_loss = sum_of_sample_mean(mb.to_local(objective.loss if stale is None else objective.loss * stale[0]))
     if config.vcpo_lr_scaling:
         _observe_ess(whole, opob.seq_log_ratios if config.vcpo_baseline else None)
 
@@ -417,6 +433,8 @@ def policy_loss(
         **loss_metrics.weight_metrics(packing, mask, objective.sequence_log_weights, per_token_loss),
         **loss_metrics.is_weight_quantiles(objective.behaviour_log_ratio, mask),
     }
+    if stale is not None:
+        per_token["stale_token_frac"] = stale[1]
     local_metrics = {k: mb.to_local(v) for k, v in per_token.items()}
     if mb.versions is not None:
         local_metrics.update(_staleness_metrics(mb.versions, packing, behaviour_ratio, mb.to_local))

@@ -167,7 +167,11 @@ def test_cli_quick_path_writes_the_json_schema_and_the_figure(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert set(data) == {"workload", "results"}
     assert data["workload"]["name"] == "dapo16k" and data["workload"]["mode"] == "virtual"
-    assert set(data["results"]) == {"sync", "april", "copris", "copris-adaptive"}
+    # --quick runs each partial-rollout policy unbounded and at max_staleness 2
+    partial = ("april", "copris", "copris-adaptive")
+    assert set(data["results"]) == {"sync", *partial, *(f"{p}@s2" for p in partial)}
+    assert all(data["results"][f"{p}@s2"]["bound"] == 2 and data["results"][f"{p}@s2"]["token_staleness_max"] <= 2
+               for p in partial)
     for policy, entry in data["results"].items():
         for key, kind in REQUIRED.items():
             assert isinstance(entry[key], kind), (policy, key, entry[key])

@@ -95,7 +95,8 @@ def test_reproduce_rows_cover_every_published_figure_with_its_source():
     assert {r.name for r in table} == set(pub)
     for r in table:
         assert r.published == pub[r.name]["published"] > 1.0
-        assert r.source and r.role in ("fit", "held-out")
+        assert r.source and r.role in ("fit", "held-out", "partly fitted")
+        assert (r.role == "partly fitted") == (pub[r.name]["role"] == "held-out" and r.role != "held-out")
         assert r.numerator.preset in ENGINE_PRESETS and r.denominator.preset in ENGINE_PRESETS
         assert (r.published_s is not None) == ("published_s_per_step" in pub[r.name])
     # one fit row per length law, each the row its law is fitted on

@@ -431,3 +431,48 @@ def test_tis_hook_reports_staleness_from_the_train_metadata_slime_passes():
     assert reduce(metrics["april/offpolicy_token_frac"]).item() == pytest.approx(sum(kept_stale))
     assert reduce(metrics["april/stale1/tokens"]).item() == pytest.approx(sum(kept_stale))
     assert "april/stale0/ratio_mass" in metrics
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.25])
+def test_stale_tokens_are_masked_or_down_weighted_exactly(weight):
+    """april_stale_token_lag 1: tokens more than one version behind their sample's policy version
+    get ``weight`` in the policy loss (after the IS correction); loss, gradient and the
+    stale_token_frac metric equal a float64 reference built token by token."""
+    batch, logits = make_batch(seed=7, prompt_lengths=(2, 3, 1), response_lengths=(4, 3, 5), drift=0.05)
+    versions = [[[5, 1], [6, 2], [7, 1]], [[3, 3]], [[7, 5]]]
+    batch["metadata"] = [{"april_token_versions_rle": v, "april_policy_version": 7} for v in versions]
+    args = make_args(april_stale_token_lag=1, april_stale_token_weight=weight)
+    loss, metrics = april_loss.policy_loss(args, batch, logits, reducer_for(batch))
+    loss.backward()
+    grad = logits.grad.clone()
+
+    logits.grad = None
+    lp = direct_log_probs(logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"], 0.7)
+    flat_lp, packing = op.pack(lp)
+    obj = op.policy_objective(
+        flat_lp, torch.cat(batch["log_probs"]), torch.cat(batch["rollout_log_probs"]), torch.cat(batch["advantages"]),
+        torch.cat(batch["loss_masks"]), packing, mode="decoupled", is_level="token", correction="truncate",
+        is_low=0.0, is_high=1.3, eps_clip=0.2, eps_clip_high=0.28)
+    lags = [7 - v for runs in versions for v, n in runs for _ in range(n)]
+    w = torch.tensor([weight if lag > 1 else 1.0 for lag in lags], dtype=torch.float64)
+    expected = reducer_for(batch)(obj.loss * w)
+    expected.backward()
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad, logits.grad, rtol=0, atol=1e-12)
+    stale = torch.tensor([float(lag > 1) for lag in lags], dtype=torch.float64)
+    assert metrics["april/stale_token_frac"].item() == pytest.approx(reducer_for(batch)(stale).item())
+    assert 0 < reducer_for(batch)(stale).item()
+    # off by default: the same batch without the setting trains the old tokens at full weight
+    off, off_metrics = april_loss.policy_loss(make_args(), batch, logits, reducer_for(batch))
+    torch.testing.assert_close(off.detach(), reducer_for(batch)(obj.loss).detach(), rtol=0, atol=1e-12)
+    assert "april/stale_token_frac" not in off_metrics
+
+
+def test_stale_token_lag_without_versions_is_a_clear_error():
+    batch, logits = make_batch(seed=8)
+    with pytest.raises(ValueError, match="april_stale_token_lag needs the per-token versions"):
+        april_loss.policy_loss(make_args(april_stale_token_lag=2), batch, logits, reducer_for(batch))
+    with pytest.raises(AprilConfigError, match="april_stale_token_weight: must be in"):
+        april_loss.policy_loss(make_args(april_stale_token_lag=2, april_stale_token_weight=1.5), batch, logits,
+                               reducer_for(batch))

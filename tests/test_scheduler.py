@@ -11,6 +11,7 @@ import pytest
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.config import AprilConfig
 from april_slime.core.engine import EngineClient
+from april_slime.core.pacing import StalenessPacing
 from april_slime.core.scheduler import PromptsExhausted, RolloutScheduler, RolloutStepError
 from april_slime.core.sglang_protocol import EngineLoad, EngineUnavailable, GenerateResult, RequestRejected
 from april_slime.core.transport import HttpTransport
@@ -302,28 +303,127 @@ async def test_trajectory_without_budget_is_truncated_without_a_call():
 
 @pytest.mark.parametrize("action", ["restart", "drop"])
 @virtual_clock
-async def test_staleness_bound_enforced(action):
-    sched, client, buffer = make("april", batch=3, n=2, max_staleness=0, stale_action=action,
+async def test_staleness_fallback_restarts_or_drops_what_pacing_cannot_prevent(action):
+    """Versions that jump past the bound between two steps (what pacing cannot foresee): the
+    buffered partials are restarted or dropped, counted, and nothing older is trained."""
+    sched, client, buffer = make("april", batch=3, n=2, max_staleness=1, stale_action=action,
                                  over_sampling_factor=3.0)
     prompts = Prompts(2, max_new_tokens=50)
-    returned, dropped = [], 0
-    for step in range(3):
-        res = await sched.run_step(prompts, current_version=step)
+    returned = []
+    for step, version in enumerate((0, 3, 4)):
+        client.version = version
+        res = await sched.run_step(prompts, current_version=version)
         for g in res.groups:
             for t in g.trajectories:
-                assert t.staleness(step) == 0 and t.offpolicy_tokens(step) == 0
-        assert res.metrics["april/offpolicy_token_fraction"] == 0
-        assert res.metrics["april/staleness_max"] == 0
-        assert res.metrics["april/staleness_hist/0"] == 6
+                assert t.staleness(version) <= 1
+        assert res.metrics["april/token_staleness_max"] <= 1
         returned += [g.uid for g in res.groups]
-        client.version += 1
-        dropped = buffer.dropped_groups
-        check_conservation(prompts, returned, buffer, discarded=dropped)
+        check_conservation(prompts, returned, buffer, discarded=buffer.dropped_groups)
+        if step == 1:
+            fallback = res.metrics["april/stale_fallback_groups"]
+            assert fallback > 0 and res.metrics["april/stale_discarded_tokens"] > 0
     if action == "restart":
         assert buffer.restarted_groups > 0 and buffer.dropped_groups == 0
         assert buffer.restarted_tokens > 0
     else:
         assert buffer.dropped_groups > 0 and buffer.restarted_groups == 0
+
+
+def long_tail_client():
+    """A quarter of the responses are long (25-60 tokens) against short ones (2-10): a step meets its
+    target long before the long ones finish, so partial rollouts carry them over many steps."""
+    return FakeClient(token_time=0.002, short=(2, 10), long=(25, 60), long_frac=0.25)
+
+
+@pytest.mark.parametrize("policy,bound", [("copris", 0), ("copris", 1), ("copris", 2), ("april", 0),
+                                          ("april", 1), ("sync", 0)])
+@virtual_clock
+async def test_pacing_keeps_the_bound_without_throwing_work_away(policy, bound):
+    """With max_staleness k no trained token lags more than k versions, and pacing, not the
+    restart fallback, keeps it so: no group is restarted or dropped, no token thrown away."""
+    sched, client, buffer = make(policy, client=long_tail_client(), batch=3, n=2, concurrency=8,
+                                 max_staleness=bound, over_sampling_factor=2.0)
+    prompts = Prompts(2, max_new_tokens=60)
+    returned, lags, carried = [], set(), 0
+    for step in range(10):
+        res = await sched.run_step(prompts, current_version=step)
+        assert len(res.groups) == 3
+        for g in res.groups:
+            for t in g.trajectories:
+                check_aligned(t)
+                assert client.expected(t) == (t.response_ids, t.logprobs)
+                lags |= {step - v for v, _ in t.version_runs}
+        m = res.metrics
+        assert m["april/token_staleness_max"] <= bound and m["april/staleness_max"] <= bound
+        assert m["april/stale_fallback_groups"] == 0 and m["april/stale_discarded_tokens"] == 0
+        assert m["april/pacing_forced_accepts"] == 0
+        returned += [g.uid for g in res.groups]
+        check_conservation(prompts, returned, buffer)
+        check_tokens_delivered(client, [*res.groups, *buffer.groups()])
+        carried += m["april/resumed_trajectories"]
+        client.version += 1
+    assert max(lags) <= bound
+    assert buffer.restarted_groups == buffer.dropped_groups == buffer.discarded_tokens == 0
+    if policy != "sync" and bound:
+        assert carried > 0, "no partial was carried over: the test shows nothing"
+        assert max(lags) == bound, "the bound was never used: the test shows nothing"
+
+
+@pytest.mark.parametrize("policy,bound", [("copris", 1), ("april", 0)])
+def test_without_pacing_the_same_runs_throw_work_away(policy, bound, monkeypatch):
+    """The counterpart of the test above: the same runs with the bound applied only after the
+    fact (pacing switched off, the buffer's fallback alone) restart groups, so the test above
+    measures pacing and not a workload that never needed it."""
+    monkeypatch.setattr(StalenessPacing, "active", property(lambda self: False))
+
+    async def main():
+        sched, client, buffer = make(policy, client=long_tail_client(), batch=3, n=2, concurrency=8,
+                                     max_staleness=bound, over_sampling_factor=2.0)
+        prompts = Prompts(2, max_new_tokens=60)
+        for step in range(10):
+            await sched.run_step(prompts, current_version=step)
+            client.version += 1
+        assert buffer.restarted_groups > 0 and buffer.restarted_tokens > 0
+
+    run_virtual(main())
+
+
+def starving_client():
+    """One response in ten is 400 tokens long against 2-8 for the rest: a step meets its target
+    within a few dozen token times, so without protection a long one is aborted at step after step."""
+    return FakeClient(token_time=0.002, short=(2, 8), long=(400, 400), long_frac=0.1)
+
+
+async def run_protection(max_interruptions, steps=8):
+    sched, client, buffer = make("copris", client=starving_client(), batch=3, n=2, concurrency=8,
+                                 max_interruptions=max_interruptions)
+    prompts = Prompts(2, max_new_tokens=400)
+    returned, longest, protected, metrics = [], 0, 0, []
+    for step in range(steps):
+        res = await sched.run_step(prompts, current_version=step)
+        assert len(res.groups) == 3
+        returned += [g.uid for g in res.groups]
+        check_conservation(prompts, returned, buffer)
+        check_tokens_delivered(client, [*res.groups, *buffer.groups()])
+        longest = max([longest, *(t.response_length for g in res.groups for t in g.trajectories)])
+        protected += res.metrics["april/protected_groups"]
+        metrics.append(res.metrics)
+        client.version += 1
+    return longest, protected, metrics, buffer
+
+
+@virtual_clock
+async def test_protection_lets_a_long_response_finish_instead_of_starving():
+    """max_interruptions 2: a group suspended twice is resumed first at the next step and runs to
+    completion there, so no trained sample was interrupted more than twice and the 400-token
+    responses are trained; without protection the same run trains none of them in 8 steps."""
+    longest, protected, metrics, _ = await run_protection(max_interruptions=2)
+    assert protected > 0 and longest == 400
+    assert all(m["april/interruptions_max"] <= 2 for m in metrics)
+    assert all(m["april/stale_fallback_groups"] == 0 for m in metrics)
+    unprotected_longest, none, unprotected, buffer = await run_protection(max_interruptions=None)
+    assert none == 0 and unprotected_longest < 400
+    assert max(g.interruptions for g in buffer.groups()) > 2, "nothing starved: the test shows nothing"
 
 
 @virtual_clock
@@ -892,9 +992,13 @@ async def test_emulator_staleness_bound_and_filter(emulator):
             for t in g.trajectories:
                 assert t.staleness(step) <= 1
                 check_reference(running.cluster.model, t)
+        # pacing, not the restart fallback, kept the bound (a healthy emulator never needs it)
+        assert res.metrics["april/stale_fallback_groups"] == 0
+        assert res.metrics["april/token_staleness_max"] <= 1
         returned += [g.uid for g in res.groups]
         check_conservation(prompts, returned, buffer, discarded=len(set(rejected)))
         running.cluster.bump_weight_version()
+    assert buffer.restarted_groups == buffer.dropped_groups == 0
 
 
 async def test_emulator_engine_failure_mid_step(emulator):

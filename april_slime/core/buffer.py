@@ -139,6 +139,7 @@ class PartialBuffer:
                 for t in group.trajectories:
                     t.reset()
                 group.restarts += 1
+                group.interruptions = 0
                 self.restarted_groups += 1
                 self.restarted_tokens += tokens
 

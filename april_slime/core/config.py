@@ -83,6 +83,9 @@ class AprilConfig:
         metadata={"help": "What happens to a buffered group past max_staleness: restart (regenerate "
                           "from its prompt) or drop (count it and discard)."},
     )
+    max_interruptions: int | None = field(default=None, metadata={"help": (
+        "Times a group may be suspended at a step's target (aborted with work left, carried over) before it "
+        "is protected: resumed first and run to completion in its next step. Unset: never protected.")})
     resume_priority: str = field(
         default="verl",
         metadata={"help": "Order in which buffered groups are resumed: verl (fewest unfinished samples, "
@@ -173,6 +176,12 @@ class AprilConfig:
     )
     is_low: float = field(default=0.0, metadata={"help": "Lower IS threshold (0 = none)."})
     is_high: float = field(default=2.0, metadata={"help": "Upper IS threshold."})
+    stale_token_lag: int | None = field(default=None, metadata={"help": (
+        "Tokens generated more than this many policy versions before the step that trains them get "
+        "april_stale_token_weight in the policy loss, apart from the IS correction (custom loss; metric "
+        "stale_token_frac). Unset: off.")})
+    stale_token_weight: float = field(default=0.0, metadata={"help": (
+        "Loss weight of the tokens older than april_stale_token_lag: 0 masks them, (0, 1) down-weights them.")})
     loss_level: str = field(
         default="token",
         metadata={"help": "token: GRPO/DAPO per-token clipped objective; sequence: GSPO "
@@ -286,8 +295,7 @@ class AprilConfig:
             _fail("concurrency", f"must be >= 1, got {self.concurrency}")
         if not (math.isfinite(self.over_sampling_factor) and self.over_sampling_factor >= 1.0):
             _fail("over_sampling_factor", f"must be a finite number >= 1, got {self.over_sampling_factor}")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            _fail("max_staleness", f"must be >= 0 or unset, got {self.max_staleness}")
+        _check_staleness(self)
         if self.min_concurrency < 1:
             _fail("min_concurrency", f"must be >= 1, got {self.min_concurrency}")
         if self.max_concurrency is not None and self.max_concurrency < self.min_concurrency:
@@ -361,6 +369,22 @@ class AprilConfig:
 
     def resolved_concurrency(self, rollout_batch_size: int, n_samples_per_prompt: int) -> int:
         return self.concurrency or rollout_batch_size * n_samples_per_prompt
+
+
+def _check_staleness(c: AprilConfig) -> None:
+    """The settings of the staleness bound, of protection and of the loss's stale-token weight."""
+    if c.max_staleness is not None and c.max_staleness < 0:
+        _fail("max_staleness", f"must be >= 0 or unset, got {c.max_staleness}")
+    if c.max_interruptions is not None and c.max_interruptions < 1:
+        _fail("max_interruptions", f"must be >= 1 or unset, got {c.max_interruptions}")
+    if c.stale_token_lag is not None and c.stale_token_lag < 0:
+        _fail("stale_token_lag", f"must be >= 0 or unset, got {c.stale_token_lag}")
+    if not 0.0 <= c.stale_token_weight < 1.0:
+        _fail("stale_token_weight", f"must be in [0, 1), got {c.stale_token_weight}")
+    if c.stale_token_weight and c.stale_token_lag is None:
+        _fail("stale_token_weight", "only read with april_stale_token_lag set")
+    if c.stale_token_lag is not None and c.vcpo_baseline:
+        _fail("stale_token_lag", "not available with april_vcpo_baseline (its loss is reduced per trajectory)")
 
 
 def _fail(name: str, reason: str) -> None:

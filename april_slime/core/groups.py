@@ -40,6 +40,7 @@ from april_slime.core.ledger import (
     GroupLedger,
     Place,
 )
+from april_slime.core.pacing import StalenessPacing, holds_tokens
 from april_slime.core.step_metrics import StepCounters, group_tokens
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.core.work import TrajectoryWork
@@ -65,7 +66,7 @@ class StepGroups:
                  n_samples_per_prompt: int, reward_fn: Callable[[Group], Awaitable[None]] | None,
                  group_filter: Callable[[Group], bool] | None, return_surplus: bool, work: TrajectoryWork,
                  queue: deque[Trajectory], counters: StepCounters, loop: asyncio.AbstractEventLoop,
-                 events: asyncio.Queue, recovering: Callable[[], bool]):
+                 events: asyncio.Queue, recovering: Callable[[], bool], pacing: StalenessPacing):
         self.buffer = buffer
         self.prompt_source = prompt_source
         self.current_version = current_version
@@ -83,6 +84,7 @@ class StepGroups:
         self.rewards: dict[str, asyncio.Task] = {}  # group uid -> its reward task (while REWARDING)
         self.exhausted = False  # the prompt source gave fewer groups than asked
         self.recovering = recovering  # whether the step recovers: completed groups stay unjudged
+        self.pacing = pacing
         self.stale_delta: dict[str, int] = {}
         self.carried_groups = 0
 
@@ -96,6 +98,7 @@ class StepGroups:
         before_counters = buffer.counters()
         before = {g.uid: g for g in buffer.groups()}
         taken = buffer.take(len(buffer), self.current_version)
+        taken = self.pacing.protect(taken, [g for g in taken if holds_tokens(g)])
         for group in taken:
             self.ledger.move(group, to=Place.RESUME)
         self.stale_delta = {k: buffer.counters()[k] - before_counters[k] for k in before_counters}
@@ -104,22 +107,30 @@ class StepGroups:
             self.ledger.note_dropped(uid, DROP_STALE)
             self.work.discard(before[uid])
 
+    def live(self) -> list[Group]:
+        """The groups the staleness pacing counts: opened or holding tokens, not accepted."""
+        return [*self.ledger.groups(Place.ACTIVE, Place.REWARDING, Place.DEFERRED, Place.UNJUDGED),
+                *(g for g in self.ledger.groups(Place.RESUME) if holds_tokens(g))]
+
     def open(self, k: int) -> int:
         """Open up to ``k`` groups, buffered ones first; returns how many were opened. New prompts
         are fetched only once the buffered groups are used up, and opening stops as soon as the
-        target is met (buffered complete groups count at once)."""
+        target is met (buffered complete groups count at once) or the staleness pacing refuses the
+        next group."""
         opened = 0
         while opened < k and self.accepted < self.target:
             group = self.ledger.first(Place.RESUME)
-            if group is not None:
-                self._open(group, resumed=True)
-            else:
+            resumed = group is not None
+            if group is None:
                 if not self.ledger.count(Place.FRESH) and not self.exhausted:
                     self._fetch_fresh(k - opened)
                 group = self.ledger.first(Place.FRESH)
                 if group is None:
                     break
-                self._open(group, resumed=False)
+            if self.pacing.active and not self.pacing.may_open(group, self.live(), self.accepted):
+                self.counters.pacing_held_opens += 1
+                break
+            self._open(group, resumed=resumed)
             opened += 1
         return opened
 
@@ -205,8 +216,26 @@ class StepGroups:
             raise
         if not keep:
             self.drop(group, DROP_FILTERED)
+            self.promote_deferred()
+        elif self.accepted >= self.target:
+            self.ledger.move(group, to=Place.SURPLUS)
+        elif not self.pacing.active or self.pacing.may_accept(group, self.live(), self.accepted):
+            self.ledger.move(group, to=Place.ACCEPTED)
+            self.promote_deferred()
         else:
-            self.ledger.move(group, to=Place.ACCEPTED if self.accepted < self.target else Place.SURPLUS)
+            self.ledger.move(group, to=Place.DEFERRED)
+            self.pacing.deferrals += 1
+
+    def promote_deferred(self, force: bool = False) -> None:
+        """Accept the deferred groups that fit now, tightest slack first; ``force``: accept them
+        whether they fit or not (nothing else is left to run: the step must not stall on them)."""
+        for group in sorted(self.ledger.groups(Place.DEFERRED), key=self.pacing.order):
+            if self.accepted >= self.target:
+                return
+            if force or self.pacing.may_accept(group, self.live(), self.accepted):
+                if force:
+                    self.counters.pacing_forced_accepts += 1
+                self.ledger.move(group, to=Place.ACCEPTED)
 
     def cancel_rewards(self) -> None:
         """Groups still being rewarded go back unjudged, their partial rewards cleared: the next
@@ -245,7 +274,12 @@ class StepGroups:
         """End of a successful step: unopened, unfinished and unjudged groups, then the surplus,
         go back into the buffer."""
         self.carried_groups = self.ledger.count(Place.RESUME, Place.FRESH, Place.ACTIVE)
-        for group in self.ledger.groups(Place.RESUME, Place.FRESH, Place.ACTIVE, Place.UNJUDGED):
+        for group in self.ledger.groups(Place.ACTIVE):
+            group.interruptions += 1  # suspended at the target with work left
+            self.counters.suspended_groups += 1
+        # deferred groups passed within the target: they go back whatever return_surplus says
+        for group in self.ledger.groups(Place.RESUME, Place.FRESH, Place.ACTIVE, Place.UNJUDGED,
+                                        Place.DEFERRED):
             self._buffer(group)
         self.counters.surplus_groups = self.ledger.count(Place.SURPLUS)
         for group in self.ledger.groups(Place.SURPLUS):
@@ -257,8 +291,8 @@ class StepGroups:
     def return_all(self) -> None:
         """End of a failed or cancelled step: every group it holds goes back into the buffer (its
         rewards must have been cancelled and its calls settled)."""
-        for group in self.ledger.groups(Place.ACCEPTED, Place.SURPLUS, Place.UNJUDGED, Place.RESUME,
-                                        Place.FRESH, Place.ACTIVE):
+        for group in self.ledger.groups(Place.ACCEPTED, Place.DEFERRED, Place.SURPLUS, Place.UNJUDGED,
+                                        Place.RESUME, Place.FRESH, Place.ACTIVE):
             if group.uid not in self.buffer:
                 self._buffer(group)
 

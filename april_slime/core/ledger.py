@@ -7,6 +7,8 @@ A group is in exactly one place at any moment:
 * ``ACTIVE``: opened, some trajectory unfinished (its calls are queued or in flight);
 * ``REWARDING``: complete, the reward function runs on it;
 * ``ACCEPTED``: rewarded and passed the filter within the target (the step returns these);
+* ``DEFERRED``: passed the filter within the target, held back by the staleness pacing until the
+  groups with less slack fit (``april_slime.core.pacing``); accepted later, or buffered complete;
 * ``SURPLUS``: passed the filter beyond the target;
 * ``UNJUDGED``: complete but not judged (completed while recovering, its reward failed, or the
   drain deadline cut its reward off);
@@ -48,6 +50,7 @@ class Place(enum.Enum):
     ACTIVE = "active"
     REWARDING = "rewarding"
     ACCEPTED = "accepted"
+    DEFERRED = "deferred"
     SURPLUS = "surplus"
     UNJUDGED = "unjudged"
     BUFFERED = "buffered"

@@ -79,6 +79,7 @@ from april_slime.core.faults import CallFaults, RolloutStepError
 from april_slime.core.groups import PromptSource, StepGroups
 from april_slime.core.health import EngineHealth, EngineWatch
 from april_slime.core.ledger import DROP_FILTERED, DROP_REJECTED, DROP_STALE, DROP_SURPLUS, Place
+from april_slime.core.pacing import StalenessPacing
 from april_slime.core.policies import ConcurrencyController, make_policy
 from april_slime.core.sglang_protocol import EngineError, GenerateResult, RequestRejected
 from april_slime.core.step_metrics import StepCounters, TimelinePoint, record, step_metrics
@@ -216,12 +217,15 @@ class _Step:
         self.work = (TrajectoryWork(sched.stop_token_ids, self.counters) if sched.episodes is None
                      else EpisodeWork(sched.stop_token_ids, self.counters, sched.episodes))
         self.queue: deque[Trajectory] = deque()
+        self.pacing = StalenessPacing(max_staleness=sched.buffer.max_staleness,
+                                      max_interruptions=sched.config.max_interruptions,
+                                      current_version=current_version, target=self.target)
         self.groups = StepGroups(
             buffer=sched.buffer, prompt_source=prompt_source, current_version=current_version, target=self.target,
             n_samples_per_prompt=sched.n_samples_per_prompt, reward_fn=sched.reward_fn,
             group_filter=sched.group_filter, return_surplus=sched.config.return_surplus, work=self.work,
             queue=self.queue, counters=self.counters, loop=self.loop, events=self.events,
-            recovering=lambda: self.phase == "recover")
+            recovering=lambda: self.phase == "recover", pacing=self.pacing)
         self.ledger = self.groups.ledger
         self.engines = EngineWatch(sched.health, sched.client, self.loop, self.events, self.counters,
                                    stall_probe_after_s=sched.stall_probe_after_s,
@@ -332,8 +336,14 @@ class _Step:
         elif kind == "concurrency":
             self.policy.set_limit(event[1])
         elif kind == "episode_call":
-            if not self.draining and self.ledger.place_of(event[1].group_uid) is Place.ACTIVE:
-                self.queue.append(event[1])  # otherwise it waits on its episode for the group to open
+            item = event[1]
+            if not self.draining and self.ledger.place_of(item.group_uid) is Place.ACTIVE:
+                # (otherwise it waits on its episode for the group to open); a group that must
+                # finish in this step goes first, so the target never waits behind other work
+                if self.pacing.must_finish(self.ledger.get(item.group_uid, Place.ACTIVE)):
+                    self.queue.appendleft(item)
+                else:
+                    self.queue.append(item)
         elif kind == "episode_done":
             self.groups.episode_done(event[1])
         else:  # pragma: no cover - events are produced only by the step and what it holds
@@ -343,8 +353,12 @@ class _Step:
     async def _fill_phase(self) -> None:
         self._fill()
         while self.accepted_groups < self.target:
-            if not self.calls and not self.ledger.count(Place.REWARDING) and not self.work.busy(
-                    self.ledger.groups(Place.ACTIVE)):
+            idle = not self.calls and not self.ledger.count(Place.REWARDING) and not self.work.busy(
+                self.ledger.groups(Place.ACTIVE))
+            if idle and self.ledger.count(Place.DEFERRED):
+                self.groups.promote_deferred(force=True)  # nothing else can run: never stall on them
+                continue
+            if idle:
                 raise PromptsExhausted(
                     f"the prompt source is exhausted: {self.accepted_groups} of {self.target} "
                     f"groups complete and nothing left to generate")
@@ -467,6 +481,7 @@ class _Step:
                             carried_groups=self.groups.carried_groups, buffer=self.s.buffer,
                             concurrency_limit=self.policy.in_flight_limit, timeline=self.timeline,
                             returned=self.ledger.groups(Place.ACCEPTED), current_version=self.current_version,
+                            protected_groups=len(self.pacing.protected), deferred_groups=self.pacing.deferrals,
                             episodes=self._episode_metrics())
 
     def _episode_metrics(self) -> dict[str, float] | None:

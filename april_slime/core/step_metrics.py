@@ -20,7 +20,16 @@ buffer_partial_trajectories (unfinished with tokens), concurrency_limit (copris 
 otherwise), inflight_mean (time-weighted over the step), inflight_max, inflight_min_while_work,
 returned_groups, returned_tokens, offpolicy_token_fraction (returned tokens whose version !=
 current_version), staleness_mean, staleness_max, staleness_hist/<k> (returned trajectories whose
-oldest token lags k versions).
+oldest token lags k versions), token_staleness_mean, token_staleness_max, token_staleness_hist/<k>
+(returned tokens generated k versions ago).
+
+Staleness pacing and protection (``april_slime.core.pacing``): stale_fallback_groups and
+stale_discarded_tokens (what the buffer's restart / drop fallback threw away this step; 0 when
+pacing kept the bound), pacing_deferred_groups (passing groups held back until tighter ones fit),
+pacing_held_opens (times a group was not opened because it could not be trained in time),
+pacing_forced_accepts (deferred groups accepted with nothing else left to run), protected_groups,
+suspended_groups (unfinished groups carried over at the target), interruptions_per_sample (mean
+aborted calls of the returned trajectories), interruptions_max.
 
 The timeline (``RolloutScheduler.last_timeline``) has one ``TimelinePoint`` per instant at which
 the step settled; ``in_flight`` counts model calls, whatever kind of work item made them.
@@ -61,6 +70,9 @@ class StepCounters:
     stalled_engines: int = 0
     probe_failures: int = 0
     load_poll_errors: int = 0
+    suspended_groups: int = 0  # unfinished groups carried to the next step at the target
+    pacing_held_opens: int = 0  # times the staleness pacing refused to open a group
+    pacing_forced_accepts: int = 0  # deferred groups accepted although they did not fit
     resumed_uids: set[str] = field(default_factory=set)
 
 
@@ -88,7 +100,8 @@ def group_tokens(group: Group) -> int:
 def step_metrics(*, clock: Callable[[], float], t0: float, t_target: float | None, counters: StepCounters,
                  stale_delta: dict[str, int], engines_excluded: int, carried_groups: int,
                  buffer: PartialBuffer, concurrency_limit: int | None, timeline: list[TimelinePoint],
-                 returned: list[Group], current_version: int,
+                 returned: list[Group], current_version: int, protected_groups: int = 0,
+                 deferred_groups: int = 0,
                  episodes: dict[str, float] | None = None) -> dict[str, float]:
     """The step's metrics, named with the metric prefix; ``episodes``: what the job's episodes did
     during the step (``core.episodes.EpisodeCounters`` differences), for agent-function jobs."""
@@ -128,6 +141,13 @@ def step_metrics(*, clock: Callable[[], float], t0: float, t_target: float | Non
         "buffer_trajectories": buffer.num_trajectories(),
         "buffer_partial_trajectories": buffer.num_partial_trajectories(),
         "concurrency_limit": 0 if concurrency_limit is None else concurrency_limit,
+        "stale_fallback_groups": stale_delta["restarted_groups"] + stale_delta["dropped_groups"],
+        "stale_discarded_tokens": stale_delta["restarted_tokens"] + stale_delta["dropped_tokens"],
+        "pacing_deferred_groups": deferred_groups,
+        "pacing_held_opens": c.pacing_held_opens,
+        "pacing_forced_accepts": c.pacing_forced_accepts,
+        "protected_groups": protected_groups,
+        "suspended_groups": c.suspended_groups,
     }
     if episodes is not None:
         m.update({f"episodes/{k}": v for k, v in episodes.items()})
@@ -144,7 +164,25 @@ def step_metrics(*, clock: Callable[[], float], t0: float, t_target: float | Non
     m["staleness_max"] = max(staleness, default=0)
     for k in sorted(set(staleness)):
         m[f"staleness_hist/{k}"] = staleness.count(k)
+    m["interruptions_per_sample"] = (sum(t.num_aborts for t in trajectories) / len(trajectories)
+                                     if trajectories else 0.0)
+    m["interruptions_max"] = max((t.num_aborts for t in trajectories), default=0)
+    m.update(token_staleness(trajectories, current_version))
     return {METRIC_PREFIX + k: float(v) for k, v in m.items()}
+
+
+def token_staleness(trajectories, current_version: int) -> dict[str, float]:
+    """Mean, max and histogram of the version lag of every token of ``trajectories``."""
+    hist: dict[int, int] = {}
+    for t in trajectories:
+        for version, count in t.version_runs:
+            lag = current_version - version
+            hist[lag] = hist.get(lag, 0) + count
+    total = sum(hist.values())
+    out = {"token_staleness_mean": sum(k * n for k, n in hist.items()) / total if total else 0.0,
+           "token_staleness_max": max(hist, default=0)}
+    out.update({f"token_staleness_hist/{k}": n for k, n in sorted(hist.items())})
+    return out
 
 
 def _in_flight_stats(points: list[TimelinePoint], end: float) -> dict[str, float]:

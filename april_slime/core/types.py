@@ -226,6 +226,8 @@ class Group:
     created_version: int = 0  # policy version when the group was first scheduled
     payload: Any = None
     restarts: int = 0  # times the group was restarted from its prompt for staleness
+    # times the group was suspended at a step's target (aborted with work left, carried over)
+    interruptions: int = 0
 
     @property
     def complete(self) -> bool:
@@ -248,6 +250,7 @@ class Group:
             "created_version": self.created_version,
             "payload": self.payload,
             "restarts": self.restarts,
+            "interruptions": self.interruptions,
         }
 
     @classmethod

@@ -89,17 +89,8 @@ def staleness_metrics(per_sample_versions: Sequence[torch.Tensor | None], refere
     the micro-batch where a sample has none): the off-policy token fraction, the mean staleness,
     and per bucket the token fraction and its behaviour-ratio mass."""
     device = behaviour_ratio.device
-    lengths = list(packing.sizes)
-    known = torch.cat([torch.full((n,), v is not None, dtype=torch.bool) for v, n in zip(per_sample_versions, lengths)]
-                      ) if lengths else torch.zeros(0, dtype=torch.bool)
-    flat = torch.cat([v if v is not None else torch.zeros(n, dtype=torch.long)
-                      for v, n in zip(per_sample_versions, lengths)]) if lengths else torch.zeros(0, dtype=torch.long)
-    newest = int(flat[known].max()) if bool(known.any()) else 0
-    reference = torch.cat([torch.full((n,), newest if ref is None else int(ref), dtype=torch.long)
-                           for ref, n in zip(references, lengths, strict=True)]
-                          ) if lengths else torch.zeros(0, dtype=torch.long)
-    staleness = (reference - flat).clamp_min(0).to(device)
-    known = known.to(device)
+    staleness, known = offpolicy.token_lags(per_sample_versions, references, packing)
+    staleness, known = staleness.to(device), known.to(device)
     bucket = offpolicy.staleness_buckets(staleness, len(STALENESS_BUCKETS))
     dtype = behaviour_ratio.dtype
     out = {

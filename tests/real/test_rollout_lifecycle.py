@@ -34,9 +34,10 @@ def oldest_versions(samples) -> set[int]:
 
 @pytest.mark.parametrize("action", ["restart", "drop"])
 def test_staleness_bound_restarts_or_drops_buffered_groups(real_stack, tmp_path, action):
-    """max_staleness 0: after a weight push every buffered group is one version stale, so step 2
-    either regenerates it from its prompt under the new version or discards it (counted)."""
-    settings = {"april_policy": "april", "april_over_sampling_factor": 3.0, "april_max_staleness": 0,
+    """max_staleness 1 and a weight push that skips a version (what the staleness pacing cannot
+    foresee): every buffered group is then two versions stale, so step 2 either regenerates it
+    from its prompt under the new version or discards it (counted): the fallback."""
+    settings = {"april_policy": "april", "april_over_sampling_factor": 3.0, "april_max_staleness": 1,
                 "april_stale_action": action}
     m = SlimeRolloutManager(plugin_args(real_stack, tmp_path, settings=settings, batch=BATCH, n=N,
                                         max_len=MAX_LEN))
@@ -47,7 +48,7 @@ def test_staleness_bound_restarts_or_drops_buffered_groups(real_stack, tmp_path,
                  if any(t.response_ids for t in g.trajectories)}
         assert stale, "nothing was buffered at the abort"
         # the engines free aborted requests a moment after their replies; push_weights waits for them
-        version = real_stack.weight_version() + 1
+        version = real_stack.weight_version() + 2
         real_stack.push_weights(real_stack.model_path, version)
         samples, metrics, _ = m.generate(1)
     finally:

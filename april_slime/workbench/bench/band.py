@@ -23,7 +23,7 @@ from .laws import MEDIAN_INTERVALS, length_spec
 from .reproduce import april_family
 from .runner import run_benchmark, run_jobs
 from .spec import EngineSpec
-from .workloads import Workload
+from .workloads import Workload, split_label
 
 
 @dataclass(frozen=True)
@@ -75,19 +75,28 @@ def headline_variants(workload: Workload, spec: EngineSpec | None = None) -> lis
 
 
 def run_variant(job: tuple[Workload, EngineSpec, Variant, str]) -> tuple[str, str, dict[str, Any]]:
-    workload, spec, variant, policy = job
-    w, s = variant.apply(replace(workload, policies=(policy,), sweep="none"), spec)
+    """One run label (``copris`` or ``copris@s2``: a policy at a staleness bound) of a variant."""
+    workload, spec, variant, label = job
+    policy, bound = split_label(label)
+    one = replace(workload, policies=(policy,), sweep="none", staleness_bounds=())
+    if workload.staleness_bounds and not policy.startswith("sync"):
+        one = replace(one, max_staleness=bound)
+    w, s = variant.apply(one, spec)
     result = run_benchmark(w, s)
-    return variant.name, policy, result.summaries[policy]
+    return variant.name, label, result.summaries[policy]
+
+
+def band_labels(workload: Workload) -> list[str]:
+    """The run labels of a band, sync first (every ratio is to sync)."""
+    labels = [label for label, *_ in workload.run_labels()]
+    return labels if "sync" in labels else ["sync", *labels]
 
 
 def run_band(workload: Workload, spec: EngineSpec, variants: list[Variant], *,
              jobs: int = 1) -> dict[str, Any]:
     """``{"variants": [...], "policies": {policy: {steps_per_hour, _min, _max, ratio_to_sync,
     _min, _max, throughput_tokens_per_s, utilization, offpolicy_token_fraction}}, "runs": ...}``."""
-    policies = list(workload.policies)
-    if "sync" not in policies:
-        policies.insert(0, "sync")
+    policies = band_labels(workload)
     todo = [(workload, spec, v, p) for v in variants for p in policies]
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     for name, policy, summary in run_jobs(run_variant, todo, jobs):
@@ -112,5 +121,41 @@ def summarize_band(runs: dict[str, dict[str, dict[str, Any]]], variants: list[Va
             "throughput_tokens_per_s": n["throughput_tokens_per_s"],
             "utilization": n["utilization"], "offpolicy_token_fraction": n["offpolicy_token_fraction"],
             "stationary_everywhere": all(runs[v.name][policy]["stationary"] for v in variants),
+            **_spread(runs, variants, policy, "token_staleness_mean"),
+            "token_staleness_max": max(runs[v.name][policy].get("token_staleness_max", 0) for v in variants),
+            "stale_discarded_tokens": n.get("stale_discarded_tokens", 0),
+            "stale_discarded_tokens_max": max(runs[v.name][policy].get("stale_discarded_tokens", 0) for v in variants),
+            "other_discarded_tokens": n["discarded_tokens"] - n.get("stale_discarded_tokens", 0),
+            "trained_tokens": n["trained_tokens"],
         }
-    return {"variants": [asdict(v) for v in variants], "policies": out, "runs": runs}
+    out = {"variants": [asdict(v) for v in variants], "policies": out, "runs": runs}
+    retained = gain_retained(runs, variants, policies)
+    if retained:
+        out["gain_retained"] = retained
+    return out
+
+
+def _spread(runs: dict[str, dict[str, dict[str, Any]]], variants: list[Variant], label: str,
+            key: str) -> dict[str, float]:
+    values = [runs[v.name][label].get(key, 0.0) for v in variants]
+    return {key: values[0], f"{key}_min": min(values), f"{key}_max": max(values)}
+
+
+def gain_retained(runs: dict[str, dict[str, dict[str, Any]]], variants: list[Variant],
+                  labels: list[str]) -> dict[str, dict[str, float]]:
+    """Per bounded label (``copris@s2``): the share of its policy's unbounded gain over sync that
+    it keeps, (ratio at the bound - 1) / (unbounded ratio - 1), measured within each variant;
+    nominal, min and max over the variants."""
+    out = {}
+    for label in labels:
+        policy, bound = split_label(label)
+        if bound is None or policy not in labels:
+            continue
+        shares = []
+        for v in variants:
+            r = runs[v.name]
+            sync = r["sync"]["steps_per_hour"]
+            free = r[policy]["steps_per_hour"] / sync - 1.0
+            shares.append((r[label]["steps_per_hour"] / sync - 1.0) / free if free > 0 else float("nan"))
+        out[label] = {"nominal": shares[0], "min": min(shares), "max": max(shares)}
+    return out

@@ -18,6 +18,22 @@ from .workloads import MODES, POLICIES, QUICK, QUICK_HTTP, WORKLOADS, Workload
 
 
 # ============================================================================ --set values
+def parse_bounds(text: str) -> tuple[int | None, ...]:
+    """``none,4,2,1`` -> (None, 4, 2, 1); an empty list or ``-``: no bounds (the workload's
+    max_staleness only)."""
+    if text.strip() in ("", "-"):
+        return ()
+    out: list[int | None] = []
+    for item in (t.strip() for t in text.split(",")):
+        if item.lower() in ("none", "unbounded"):
+            out.append(None)
+            continue
+        if not item.isdigit():
+            raise ValueError(f"--bounds {text!r}: expected a comma-separated list of integers >= 0 or none")
+        out.append(int(item))
+    return tuple(out)
+
+
 def _field_kind(annotation: str) -> str:
     """What a dataclass field holds, from its (string) annotation."""
     a = annotation.replace(" ", "")
@@ -57,6 +73,8 @@ def _coerce(key: str, raw: str, annotation: str) -> Any:
                 raise ValueError
             if key == "sweep_values":
                 return tuple(float(t) for t in items)
+            if key == "staleness_bounds":
+                return parse_bounds(text)
             return tuple(items)
     except ValueError:
         expected = {"bool": "true or false", "int": "an integer", "float": "a finite number",
@@ -147,9 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "production scheduler against the SGLang emulator. `april-slime bench "
                     "reproduce` sets up the published figures. See docs/bench.md.")
     p.add_argument("workload", nargs="?", default="dapo16k", choices=sorted(WORKLOADS),
-                   help="what to run (default: dapo16k, the headline: 30 steps x 4 policies, "
-                        "about 3 minutes of CPU; multi-turn: agent episodes with tools, run beside "
-                        "their single-turn twin of equal tokens)")
+                   help="what to run (default: dapo16k, the headline: 30 steps x 4 policies, the "
+                        "partial-rollout ones at 4 staleness bounds, about 10 minutes of CPU; "
+                        "multi-turn: agent episodes with tools, run beside their single-turn twin of "
+                        "equal tokens)")
     p.add_argument("--mode", choices=MODES, default="virtual",
                    help="virtual: in-process, virtual clock (fast); http: real HTTP on loopback, "
                         "emulator clock at --time-scale (as slow as the emulated time / scale)")
@@ -173,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the workload over seeds and the uncertain inputs (the length law's "
                         "fitted median, the training cost, the decode-step overhead) and print steps/h "
                         "with its band (9 variants; multi-turn: seeds and tool latency)")
+    p.add_argument("--bounds", default=None, metavar="LIST",
+                   help="april_max_staleness bounds each partial-rollout policy runs at, e.g. none,4,2,1 "
+                        "(the default of dapo16k and multi-turn; none: unbounded); '-': only the "
+                        "workload's max_staleness")
+    p.add_argument("--variants", type=int, default=None, metavar="N",
+                   help="--band: only the first N variants (the nominal seed first)")
     p.add_argument("--jobs", type=int, default=1,
                    help="virtual mode: processes to run the runs (sweep points, --band variants) in "
                         "(default 1)")
@@ -206,6 +231,10 @@ def _configure(args: argparse.Namespace) -> tuple[Workload, EngineSpec, list[str
         spec = EngineSpec.load(args.engine_spec, base=spec)
     if args.policies:
         workload = replace(workload, policies=tuple(x.strip() for x in args.policies.split(",")))
+    if args.bounds is not None:
+        workload = replace(workload, staleness_bounds=parse_bounds(args.bounds))
+    if args.variants is not None and args.variants < 1:
+        raise ValueError(f"--variants must be >= 1, got {args.variants}")
     if args.steps is not None:
         if args.steps <= workload.warmup_steps:
             # The user asked for this many steps; measure them all rather than refuse over a
@@ -299,9 +328,9 @@ def _main_band(args: argparse.Namespace, workload: Workload, spec: EngineSpec) -
         print("april-slime bench: --band runs a policy workload (dapo16k), not a sweep",
               file=sys.stderr)
         return 2
-    variants = headline_variants(workload, spec)
+    variants = headline_variants(workload, spec)[:args.variants or None]
     print(f"april-slime bench {workload.name} --band: {len(variants)} variants x "
-          f"{len(workload.policies)} policies x {workload.steps} steps in {args.jobs} processes",
+          f"{len(plan(workload))} policy runs x {workload.steps} steps in {args.jobs} processes",
           file=sys.stderr, flush=True)
     band = run_band(workload, spec, variants, jobs=args.jobs)
     print(format_band(band))

@@ -46,9 +46,10 @@ def _seconds(value: float | None) -> str:
 
 # ============================================================================ reproduce
 def reproduce_counts(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per role: rows, mean and worst |difference|, rows within +-WITHIN."""
+    """Per role (fit, held-out, partly fitted: held out but with the training fit's run as an arm):
+    rows, mean and worst |difference|, rows within +-WITHIN."""
     out = {}
-    for role in ("fit", "held-out"):
+    for role in ("fit", "held-out", "partly fitted"):
         errs = [abs(r["difference"]) for r in rows if r["role"] == role]
         if errs:
             out[role] = {"rows": len(errs), "mean": sum(errs) / len(errs), "max": max(errs),
@@ -59,9 +60,15 @@ def reproduce_counts(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def reproduce_summary(data: dict[str, Any]) -> str:
     c = reproduce_counts(data["rows"])
     fit, held = c["fit"], c["held-out"]
-    return (f"**Fit rows: {fit['mean']:.1%} mean |diff| over {fit['rows']} rows ({fit['within']} within "
+    text = (f"**Fit rows: {fit['mean']:.1%} mean |diff| over {fit['rows']} rows ({fit['within']} within "
             f"±{WITHIN:.0%}); held-out rows: {held['mean']:.1%} mean, {held['max']:.1%} worst, "
-            f"{held['within']} of {held['rows']} within ±{WITHIN:.0%}.**")
+            f"{held['within']} of {held['rows']} within ±{WITHIN:.0%}")
+    part = c.get("partly fitted")
+    if part:
+        text += (f"; partly fitted rows (held out, but one arm is the run veRL's training phase is fitted "
+                 f"on): {part['mean']:.1%} mean, {part['max']:.1%} worst, {part['within']} of {part['rows']} "
+                 f"within ±{WITHIN:.0%}")
+    return text + ".**"
 
 
 def reproduce_table(data: dict[str, Any]) -> str:
@@ -83,6 +90,8 @@ def reproduce_statistics(data: dict[str, Any]) -> str:
         published = (f"{s['low']:,.0f}-{s['high']:,.0f}" if "low" in s else
                      f"< {pub:,.0f}" if "high" in s else f"{pub:.0%}" if s["unit"] == "fraction" else f"{pub:,.0f}")
         emulated = f"{s['emulated']:.0%}" if s["unit"] == "fraction" else f"{s['emulated']:,.0f}"
+        if s.get("solved"):
+            emulated += " (solved input, not an output)"
         rows.append([s["name"], published, emulated, s["where"]])
     return _table(["statistic", "published", "emulated", "emulated on"], rows)
 
@@ -164,6 +173,65 @@ def multiturn(data: dict[str, Any]) -> str:
             f"{e['tool_s_per_episode_mean']:.1f} s of tools per episode. {steady}")
 
 
+# ============================================================================ staleness bounds
+def _bound_of(label: str) -> str:
+    _, _, bound = label.partition("@s")
+    return bound or "unbounded"
+
+
+def bounds(data: dict[str, Any]) -> str:
+    """Each policy at each staleness bound (a ``bench --band`` or ``bench multi-turn --band`` JSON
+    run with ``--bounds``): its ratio to sync with the band, the share of its unbounded gain it
+    keeps, the lag of its trained tokens, and the tokens thrown away, by the staleness fallback
+    (restart / drop) apart from the rest (pacing itself discards nothing). Bounded rows first."""
+    pair = "multi_turn" in data["band"]
+    band = data["band"]["multi_turn"] if pair else data["band"]
+    single = data["band"]["single_turn"]["policies"] if pair else {}
+    retained = band.get("gain_retained", {})
+    labels = [k for k in band["policies"] if k != "sync"]
+    order = {"2": 0, "4": 1, "1": 2, "unbounded": 3}
+    labels.sort(key=lambda k: (order.get(_bound_of(k), 4), k))
+
+    def ratio(b: dict[str, Any]) -> str:
+        return f"{b['ratio_to_sync']:.2f}x ({b['ratio_to_sync_min']:.2f}-{b['ratio_to_sync_max']:.2f})"
+
+    rows = []
+    for label in labels:
+        b = band["policies"][label]
+        policy = label.partition("@s")[0]
+        g = retained.get(label)
+        kept = f"{g['nominal']:.0%} ({g['min']:.0%}-{g['max']:.0%})" if g else "—"
+        lag = (f"{b['token_staleness_mean']:.2f} ({b['token_staleness_mean_min']:.2f}-"
+               f"{b['token_staleness_mean_max']:.2f}) / {b['token_staleness_max']}")
+        row = [policy, _bound_of(label), ratio(b), kept, lag, f"{b['stale_discarded_tokens_max']:,}",
+               f"{b['other_discarded_tokens']:,}", f"{b['trained_tokens']:,}"]
+        if pair:
+            row.insert(3, ratio(single[label]) if label in single else "—")
+        rows.append(row)
+    side = ", multi-turn" if pair else ""
+    header = ["policy", "max_staleness", "vs sync" + side, f"share of the unbounded gain kept{side}",
+              f"trained-token lag{side}, mean (band) / max",
+              f"tokens discarded by the staleness fallback{side} (worst variant)", "discarded otherwise",
+              "trained tokens"]
+    if pair:
+        header.insert(3, "vs sync, single turn of equal tokens")
+    runs = [(side, name, label, summary) for side in (("multi_turn", "single_turn") if pair else (None,))
+            for name, by_label in (data["band"][side] if side else band)["runs"].items()
+            for label, summary in by_label.items()]
+    unsteady = [f"{label} {side.replace('_', '-') + ' ' if side else ''}({name})"
+                for side, name, label, summary in runs if not summary["stationary"]]
+    warm = [summary["warmup_steps"] for *_, summary in runs]
+    variants = ", ".join(v["name"] for v in band["variants"])
+    w = data["workload"]
+    steady = ("every run stationary" if not unsteady else
+              f"not stationary (the partial buffer still trended over the second half): {', '.join(unsteady)}")
+    return (_table(header, rows) + f"\n\n{w['rollout_batch_size']} prompts x {w['n_samples_per_prompt']} samples "
+            f"per step, {w['steps']} steps, warm-up {min(warm)}-{max(warm)} steps left out (MSER), {steady}. "
+            f"Nominal value (min-max over {len(band['variants'])} variants: {variants}); every ratio and "
+            f"share measured within its variant. Discarded tokens: totals over the measured steps of the "
+            f"nominal variant, the fallback's over the worst variant.")
+
+
 # ============================================================================ the fit
 def fit_table(data: dict[str, Any]) -> str:
     rows = []
@@ -235,6 +303,7 @@ RENDERERS: dict[str, tuple[int, Callable[..., str]]] = {
     "reproduce-table": (1, reproduce_table), "reproduce-summary": (1, reproduce_summary),
     "reproduce-statistics": (1, reproduce_statistics), "reproduce-absolute": (1, reproduce_absolute),
     "headline": (1, headline), "context-sweep": (1, context_sweep), "multi-turn": (1, multiturn),
+    "bounds": (1, bounds),
     "fit": (1, fit_table), "cpu-engine": (2, cpu_engine),
 }
 

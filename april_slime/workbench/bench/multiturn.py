@@ -5,16 +5,20 @@ What this module owns:
 * ``EpisodePlan`` / ``plan_episode``: what one episode does, fixed by (seed, prompt, sample) so
   every policy runs the same episodes: its number of turns (uniform in ``turns_min..turns_max``),
   the model tokens of each turn (the emulator's length law under the per-turn budget, one draw per
-  turn with its own sampling seed) and the latency of each tool phase (lognormal, emulated
-  seconds). Calls run with ``ignore_eos`` and ``max_new_tokens`` = the drawn length, so a turn has
-  exactly its drawn tokens however often it is aborted and resumed.
+  turn with its own sampling seed) and the attempts of each tool phase: the successful call's
+  latency (lognormal, emulated seconds), after ``tool_timeout_s`` for every failed attempt before
+  it (each fails with ``tool_failure_rate``, at most ``tool_max_retries`` retries). Calls run with
+  ``ignore_eos`` and ``max_new_tokens`` = the drawn length, so a turn has exactly its drawn tokens
+  however often it is aborted and resumed.
 * ``EpisodePrompts``: the bench's synthetic prompts with every sample's plan; in the flat twin
   (``flat_episodes``) a sample is one plain trajectory of the episode's total model tokens.
 * ``BenchAgent``: an in-process ``core.episodes.EpisodeAgent``. Its coroutine makes the turns by
   calling ``EpisodeRunner.call`` directly (the HTTP front is only a transport, not needed here) and
-  sleeps each tool's latency on the loop's clock, which on the bench's virtual loop is emulated
-  time; ``finish`` builds the member as a generate function's sample would be (calls and tool
-  results concatenated, tool tokens masked, per-token versions).
+  runs each tool attempt on one of ``tool_workers`` workers (a semaphore shared by every episode:
+  a call waits for a free worker, as on a sandbox pool), sleeping its latency on the loop's clock,
+  which on the bench's virtual loop is emulated time; ``finish`` builds the member as a generate
+  function's sample would be (calls and tool results concatenated, tool tokens masked, per-token
+  versions).
 * ``EpisodeDriver``: what ``runner.run_policy`` swaps in for a multi-turn workload: the prompts,
   the sampling parameters, the ``EpisodeRunner`` for ``RolloutScheduler(episodes=...)``, and the
   per-step accounting of the tokens that unfinished episodes hold (steady-state detection).
@@ -46,7 +50,18 @@ _PLAN_SALT = 0x6570697364  # keeps the plan's random stream apart from any other
 @dataclass(frozen=True)
 class EpisodePlan:
     lengths: tuple[int, ...]  # model tokens of each turn
-    tool_s: tuple[float, ...]  # latency of each tool phase (one between two turns), emulated seconds
+    # each tool phase (one between two turns): its attempts' seconds on a worker, emulated; every
+    # attempt but the last failed (a timeout)
+    tool_attempts: tuple[tuple[float, ...], ...]
+
+    @property
+    def tool_s(self) -> tuple[float, ...]:
+        """Worker seconds of each tool phase, its failed attempts included (queueing excluded)."""
+        return tuple(sum(a) for a in self.tool_attempts)
+
+    @property
+    def tool_failures(self) -> int:
+        return sum(len(a) - 1 for a in self.tool_attempts)
 
     @property
     def turns(self) -> int:
@@ -66,10 +81,19 @@ def plan_episode(workload: Workload, model: SyntheticLM, prompt_ids: Sequence[in
     rng = np.random.default_rng([_PLAN_SALT, workload.seed, index, j])
     turns = int(rng.integers(workload.turns_min, workload.turns_max + 1))
     z = rng.standard_normal(turns - 1)
-    tool_s = tuple(float(workload.tool_median_s * math.exp(workload.tool_sigma * x)) for x in z)
+    tool_s = [float(workload.tool_median_s * math.exp(workload.tool_sigma * x)) for x in z]
+    # drawn after the latencies, so a workload without failures has the plans it had before
+    fails = rng.random((turns - 1, workload.tool_max_retries + 1)) < workload.tool_failure_rate
+    attempts = []
+    for latency, row in zip(tool_s, fails):
+        if row.all():  # every attempt timed out: the error text is the result
+            attempts.append((workload.tool_timeout_s,) * len(row))
+            continue
+        failed = int(np.argmin(row))  # failed attempts before the first that succeeds
+        attempts.append((workload.tool_timeout_s,) * failed + (latency,))
     seed = (index * workload.n_samples_per_prompt + j) * MAX_TURNS
     lengths = tuple(model.response_length(prompt_ids, seed + k, budget) for k in range(turns))
-    return EpisodePlan(lengths, tool_s)
+    return EpisodePlan(lengths, tuple(attempts))
 
 
 def plans_of(workload: Workload, budget: int, num_prompts: int) -> list[EpisodePlan]:
@@ -129,7 +153,7 @@ class EpisodeRecord:
     call_tokens: tuple[int, ...]  # model tokens each call returned
     segments: int  # engine calls over all its turns (a turn aborted and resumed takes several)
     aborts: int
-    tool_s: float  # tool latency it slept, emulated seconds
+    tool_s: float  # worker seconds of its tools (failed attempts included), emulated seconds
     started: float  # loop time of its first call request and of its return
     ended: float
 
@@ -137,10 +161,16 @@ class EpisodeRecord:
 class BenchAgent:
     """An ``EpisodeAgent`` whose episodes make their planned turns through ``runner.call``."""
 
-    def __init__(self, plans: dict[str, EpisodePlan], tool_tokens: int, time_scale: float = 1.0):
+    def __init__(self, plans: dict[str, EpisodePlan], tool_tokens: int, time_scale: float = 1.0,
+                 tool_workers: int | None = None):
         self.plans = plans
         self.tool_ids = tool_result(tool_tokens)
         self.time_scale = time_scale  # emulated seconds per loop second (http mode runs on the wall clock)
+        self.tool_workers = tool_workers  # None: every tool call runs at once
+        self._pool: asyncio.Semaphore | None = None
+        self.tool_wait_s = 0.0  # emulated seconds tool calls waited for a free worker
+        self.tool_busy_max = 0  # most workers busy at once
+        self._busy = 0
         self.runner: EpisodeRunner | None = None
         self.log: dict[str, EpisodeRecord] = {}
         self._started: dict[str, float] = {}
@@ -155,12 +185,31 @@ class BenchAgent:
         context = list(member.prompt_ids)
         for turn, tokens in enumerate(plan.lengths):
             if turn:
-                await asyncio.sleep(plan.tool_s[turn - 1] / self.time_scale)  # the tool runs
+                for seconds in plan.tool_attempts[turn - 1]:
+                    await self._tool(seconds)
                 context += self.tool_ids
             reply = await self.runner.call(member.uid, CallRequest(
                 input_ids=list(context), max_new_tokens=tokens, sampling_params=dict(SAMPLING_PARAMS)))
             context += reply["output_ids"]
         return context
+
+    async def _tool(self, seconds: float) -> None:
+        """One tool attempt: wait for a worker, hold it ``seconds`` (emulated)."""
+        if self.tool_workers is None:
+            await asyncio.sleep(seconds / self.time_scale)
+            return
+        if self._pool is None:
+            self._pool = asyncio.Semaphore(self.tool_workers)
+        loop = asyncio.get_running_loop()
+        queued = loop.time()
+        async with self._pool:
+            self.tool_wait_s += (loop.time() - queued) * self.time_scale
+            self._busy += 1
+            self.tool_busy_max = max(self.tool_busy_max, self._busy)
+            try:
+                await asyncio.sleep(seconds / self.time_scale)
+            finally:
+                self._busy -= 1
 
     def reply(self, call: ModelCall) -> dict:
         t = call.trajectory
@@ -206,7 +255,7 @@ class EpisodeDriver:
         self.agent: BenchAgent | None = None
         self.episodes: EpisodeRunner | None = None
         if not workload.flat_episodes:
-            self.agent = BenchAgent(self.prompts.plans, workload.tool_tokens, time_scale)
+            self.agent = BenchAgent(self.prompts.plans, workload.tool_tokens, time_scale, workload.tool_workers)
             self.episodes = EpisodeRunner(self.agent)
             self.agent.runner = self.episodes
         self.returned: list[dict[str, list[str]]] = []  # per step: group uid -> member uids

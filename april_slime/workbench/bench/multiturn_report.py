@@ -21,14 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from .band import Variant, headline_variants, run_variant, summarize_band
+from .band import Variant, band_labels, headline_variants, run_variant, summarize_band
 from .multiturn import plans_of
 from .report import format_band, format_table, headline, plot
 from .runner import BenchResult, Progress, run_benchmark, run_jobs
 from .spec import EngineSpec
 from .workloads import Workload
 
-TOOL_KEYS = {"tool_median_s", "tool_sigma"}  # variants that change only these leave the flat twin as is
+TOOL_KEYS = {"tool_median_s", "tool_sigma", "tool_workers", "tool_failure_rate", "tool_timeout_s",
+             "tool_max_retries"}  # variants that change only these leave the flat twin as is
 
 
 def flat_twin(workload: Workload) -> Workload:
@@ -61,6 +62,7 @@ def episode_stats(workload: Workload, num_prompts: int = 64) -> dict[str, float]
         "tool_s_mean": float(tools.mean()) if tools.size else 0.0,
         "tool_s_p90": float(np.percentile(tools, 90)) if tools.size else 0.0,
         "tool_s_per_episode_mean": float(tools.sum() / len(plans)),
+        "tool_failures_per_call": float(sum(p.tool_failures for p in plans) / tools.size) if tools.size else 0.0,
     }
 
 
@@ -72,7 +74,10 @@ def describe(workload: Workload, stats: dict[str, float]) -> str:
             f"tokens on average (median {stats['model_tokens_median']:,.0f}, p90 {stats['model_tokens_p90']:,.0f}); "
             f"tools: lognormal, median {workload.tool_median_s:g} s, sigma {workload.tool_sigma:g} (mean "
             f"{stats['tool_s_mean']:.2f} s, p90 {stats['tool_s_p90']:.2f} s, {stats['tool_s_per_episode_mean']:.1f} s "
-            f"per episode), {workload.tool_tokens} masked tokens per tool result; single-turn twin: the same "
+            f"per episode, failed attempts included), {workload.tool_tokens} masked tokens per tool result; "
+            f"{workload.tool_workers or 'unbounded'} tool workers, {workload.tool_failure_rate:.0%} of attempts "
+            f"time out at {workload.tool_timeout_s:g} s (retried up to {workload.tool_max_retries} times; "
+            f"{stats['tool_failures_per_call']:.3f} failed attempts per tool call); single-turn twin: the same "
             f"prompts, each sample one response of its episode's model tokens")
 
 
@@ -103,9 +108,7 @@ def run_pair_band(workload: Workload, spec: EngineSpec, variants: list[Variant],
                   jobs: int = 1) -> dict[str, Any]:
     """Both workloads over ``variants`` in one pool of ``jobs`` processes. The twin has no tool,
     so variants that change only the tools reuse its nominal runs instead of repeating them."""
-    policies = list(workload.policies)
-    if "sync" not in policies:
-        policies.insert(0, "sync")
+    policies = band_labels(workload)
     twin = flat_twin(workload)
     tool_only = {v.name for v in variants if v.workload and set(v.workload) <= TOOL_KEYS}
     todo = [(workload, spec, v, p) for v in variants for p in policies]
@@ -145,12 +148,13 @@ def format_comparison(comparison: dict[str, Any]) -> list[str]:
 def format_episodes(summaries: dict[str, dict[str, Any]]) -> str:
     """What the episodes did per step (steady state), per policy."""
     rows = [["policy", "calls/step", "episodes done/step", "suspended calls/step", "calls resumed",
-             "live at step end"]]
+             "live at step end", "tool queue s/step", "workers busy max"]]
     for label, s in summaries.items():
         if "episode_calls_per_step" in s:
             rows.append([label, f"{s['episode_calls_per_step']:.0f}", f"{s['episodes_finished_per_step']:.0f}",
                          f"{s['suspended_calls_per_step']:.0f}", f"{s['resumed_call_fraction']:.1%}",
-                         f"{s['live_episodes_mean']:.0f}"])
+                         f"{s['live_episodes_mean']:.0f}", f"{s.get('tool_wait_s_per_step', 0.0):,.0f}",
+                         f"{s.get('tool_busy_max') or '-'}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -174,9 +178,10 @@ def main_pair(args: argparse.Namespace, workload: Workload, spec: EngineSpec, no
     """The CLI for a multi-turn workload: both workloads, the comparison, optionally the band."""
     stats = episode_stats(workload)
     if args.band:
-        variants = pair_variants(workload, spec)
-        print(f"april-slime bench {workload.name} --band: {len(variants)} variants x {len(workload.policies)} "
-              f"policies x 2 workloads x {workload.steps} steps in {args.jobs} processes", file=sys.stderr, flush=True)
+        variants = pair_variants(workload, spec)[:args.variants or None]
+        print(f"april-slime bench {workload.name} --band: {len(variants)} variants x "
+              f"{len(band_labels(workload))} policy runs x 2 workloads x {workload.steps} steps in {args.jobs} "
+              f"processes", file=sys.stderr, flush=True)
         band = run_pair_band(workload, spec, variants, jobs=args.jobs)
         print(describe(workload, stats))
         for side, title in (("multi_turn", "multi-turn"), ("single_turn", "single turn, equal tokens")):

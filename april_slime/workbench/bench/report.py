@@ -21,8 +21,11 @@ _COLUMNS = [
     ("off-policy", "{:.1%}", "offpolicy_token_fraction"),
     ("stale mean", "{:.2f}", "mean_staleness"),
     ("stale max", "{}", "max_staleness"),
+    ("token lag", "{:.2f}", "token_staleness_mean"),
+    ("lag max", "{}", "token_staleness_max"),
     ("recomputed", "{:,}", "recomputed_tokens"),
     ("discarded", "{:,}", "discarded_tokens"),
+    ("fallback", "{:,}", "stale_discarded_tokens"),
     ("N'", "{}", "concurrency_final"),
     ("warm-up", "{}", "warmup_label"),
 ]
@@ -70,7 +73,11 @@ def headline(result: BenchResult) -> list[str]:
     if w.sweep == "none":
         for p in ("april", "copris", "copris-adaptive"):
             ratio(p, "sync", f"{p} / sync")
+            for label in s:
+                if label.startswith(f"{p}@s"):
+                    ratio(label, "sync", f"{label} / sync")
         ratio("copris", "april", "copris / april")
+        out += bound_lines(s)
     elif w.sweep == "context":
         for value in w.sweep_values:
             k = f"{int(value) // 1024}k"
@@ -97,22 +104,47 @@ def headline(result: BenchResult) -> list[str]:
     return out
 
 
+def bound_lines(summaries: dict) -> list[str]:
+    """Per bounded run: its share of the unbounded gain, the lag of its trained tokens, and what
+    was thrown away (the restart / drop fallback apart: pacing itself discards nothing)."""
+    out = []
+    sync = summaries.get("sync")
+    for label, b in summaries.items():
+        policy, _, bound = label.partition("@s")
+        if not bound or sync is None or policy not in summaries:
+            continue
+        free = summaries[policy]["steps_per_hour"] / sync["steps_per_hour"] - 1.0
+        kept = (b["steps_per_hour"] / sync["steps_per_hour"] - 1.0) / free if free > 0 else float("nan")
+        out.append(f"{label}: keeps {kept:.0%} of {policy}'s unbounded gain; trained-token lag mean "
+                   f"{b['token_staleness_mean']:.2f} / max {b['token_staleness_max']} (unbounded "
+                   f"{summaries[policy]['token_staleness_mean']:.2f} / {summaries[policy]['token_staleness_max']}); "
+                   f"discarded by the staleness fallback {b['stale_discarded_tokens']:,} tokens, otherwise "
+                   f"{b['discarded_tokens'] - b['stale_discarded_tokens']:,}")
+    return out
+
+
 def format_band(band: dict) -> str:
     """The headline table: steps/h (end to end, steady state) with its band over the variants,
     the ratio to sync with its band, and the secondary columns of the nominal run."""
-    rows = [["policy", "steps/h", "band", "vs sync", "band", "rollout tok/s", "util", "off-policy"]]
+    rows = [["policy", "steps/h", "band", "vs sync", "band", "rollout tok/s", "util", "off-policy",
+             "token lag mean (band)", "lag max", "fallback discarded", "other discarded"]]
     for policy, b in band["policies"].items():
+        lag = (f"{b['token_staleness_mean']:.2f} ({b['token_staleness_mean_min']:.2f}-"
+               f"{b['token_staleness_mean_max']:.2f})" if "token_staleness_mean" in b else "-")
         rows.append([
             policy, f"{b['steps_per_hour']:.2f}",
             f"{b['steps_per_hour_min']:.2f}-{b['steps_per_hour_max']:.2f}",
             f"{b['ratio_to_sync']:.2f}x", f"{b['ratio_to_sync_min']:.2f}-{b['ratio_to_sync_max']:.2f}x",
             f"{b['throughput_tokens_per_s']:,.0f}", f"{b['utilization']:.1%}",
-            f"{b['offpolicy_token_fraction']:.1%}"])
+            f"{b['offpolicy_token_fraction']:.1%}", lag, f"{b.get('token_staleness_max', '-')}",
+            f"{b.get('stale_discarded_tokens', 0):,}", f"{b.get('other_discarded_tokens', 0):,}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("band: min-max over " + ", ".join(v["name"] for v in band["variants"]))
+    for label, g in band.get("gain_retained", {}).items():
+        lines.append(f"{label} keeps {g['nominal']:.0%} ({g['min']:.0%}-{g['max']:.0%}) of the unbounded gain")
     return "\n".join(lines)
 
 

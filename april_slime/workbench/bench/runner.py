@@ -22,13 +22,15 @@ from april_slime.core.transport import HttpTransport
 from april_slime.core.types import Group
 from april_slime.workbench.emulator import EmulatorCluster, SyntheticLM, run_virtual
 
+from .bounds import staleness_summary
 from .dispatch import SplitDispatch
 from .multiturn import EpisodeDriver, episode_length_stats, episode_summary
 from .spec import EngineSpec
 from .workloads import MODES, LengthStats, SyntheticPrompts, Workload, ideal_throughput, length_stats
 
-
 # ============================================================================ one policy run
+WORKLOAD_BOUND = "workload"  # run_policy / RunPoint: the workload's own max_staleness
+
 @dataclass
 class StepRecord:
     index: int
@@ -49,6 +51,7 @@ class StepRecord:
     # Trained response tokens that a sample generated before an abort and resumed later (APRIL
     # §3.2.3's "tokens carried over from truncated instances"); returned tokens in ``metrics``.
     carried_tokens: int = 0
+    tool_wait_s: float = 0.0  # multi-turn: emulated seconds tool calls waited for a free worker
 
 
 @dataclass
@@ -184,17 +187,21 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
                      mode: str = "virtual", time_scale: float = 1.0,
                      concurrency: int | None = None, over_sampling_factor: float | None = None,
                      max_response_len: int | None = None, on_step=None,
-                     driver: EpisodeDriver | None = None, token_arrays: bool = True) -> PolicyRun:
+                     driver: EpisodeDriver | None = None, token_arrays: bool = True,
+                     max_staleness: int | None | str = WORKLOAD_BOUND) -> PolicyRun:
     """Run one policy for ``workload.steps`` rollout + training steps on a fresh emulated cluster,
     inside the running event loop (virtual: the caller runs this under ``run_virtual``). A
     multi-turn workload runs through an ``EpisodeDriver`` (made here unless given).
     ``token_arrays=False`` (virtual mode) hands the client SGLang's lists instead of the engines'
-    token arrays: the same run, slower (the reference the arrays are tested against)."""
+    token arrays: the same run, slower (the reference the arrays are tested against).
+    ``max_staleness``: the bound of this run (None: unbounded); by default the workload's."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     scale = 1.0 if mode == "virtual" else float(time_scale)
     budget = max_response_len or workload.max_response_len
     factor = over_sampling_factor if over_sampling_factor is not None else workload.over_sampling_factor
+    if max_staleness != WORKLOAD_BOUND:
+        workload = replace(workload, max_staleness=max_staleness)
     config = _policy_config(policy, workload, concurrency, factor)
     wall0 = time.perf_counter()
     cluster = EmulatorCluster(
@@ -256,6 +263,7 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
         for index in range(workload.steps):
             counters.append(await _cluster_counters(transport, cluster.router_url))
             start = cluster.now()
+            wait0 = driver.agent.tool_wait_s if driver and driver.agent else 0.0
             if driver:
                 held_before = driver.snapshot(buffer.groups())
             else:
@@ -274,7 +282,8 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
             train_s = sum(parts.values())
             records.append(StepRecord(index, version, start, rollout_s, train_s, result.metrics,
                                       tracked, context_sum, held, age, parts["buffered"], trained,
-                                      _carried_tokens(result.groups)))
+                                      _carried_tokens(result.groups),
+                                      (driver.agent.tool_wait_s - wait0) if driver and driver.agent else 0.0))
             if index == workload.steps - 1:
                 counters.append(await _cluster_counters(transport, cluster.router_url))
             if on_step is not None:
@@ -291,7 +300,8 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
                       "concurrency": (config.resolved_concurrency(workload.rollout_batch_size,
                                                                   workload.n_samples_per_prompt)
                                       if policy.startswith("copris") else None),
-                      "mode": mode, "time_scale": scale},
+                      "mode": mode, "time_scale": scale, "max_staleness": config.max_staleness,
+                      "tool_busy_max": driver.agent.tool_busy_max if driver and driver.agent else None},
             steps=records, timeline=timeline, capacity_tokens=spec.kv_capacity() * spec.num_engines,
             num_engines=spec.num_engines, counters=counters, warmup_steps=warmup,
             stationary=stationary,
@@ -394,8 +404,13 @@ def summarize(run: PolicyRun, ideal_tokens_per_s: float, spec: EngineSpec | None
     mean_context = sum(s.context_token_sum for s in steps) / tracked if tracked else 0.0
     mix_ideal = mix_ideal_throughput(spec, mean_context) if spec is not None else 0.0
     episodes = episode_summary(m) if "april/episodes/calls" in m[0] else {}
+    if episodes:
+        episodes["tool_wait_s_per_step"] = sum(s.tool_wait_s for s in steps) / len(steps)
+        episodes["tool_busy_max"] = run.settings.get("tool_busy_max")
     return {
         **episodes,
+        **staleness_summary(m),
+        "bound": run.settings.get("max_staleness"),
         "warmup_steps": run.warmup_steps,
         "stationary": run.stationary,
         "throughput_tokens_per_s": throughput,
@@ -448,11 +463,13 @@ class RunPoint:
     concurrency: int | None = None
     over_sampling_factor: float | None = None
     max_response_len: int | None = None
+    max_staleness: int | None | str = WORKLOAD_BOUND
 
 
 def plan(workload: Workload) -> list[RunPoint]:
     if workload.sweep == "none":
-        return [RunPoint(p, p) for p in workload.policies]
+        return [RunPoint(label, p, max_staleness=bound if workload.staleness_bounds else WORKLOAD_BOUND)
+                for label, p, bound in workload.run_labels()]
     points: list[RunPoint] = []
     if workload.sweep == "context":
         for value in workload.sweep_values:
@@ -518,7 +535,7 @@ async def _run_all(workload: Workload, spec: EngineSpec, mode: str, time_scale: 
         run = await run_policy(point.label, point.policy, workload, spec, mode=mode,
                                time_scale=time_scale, concurrency=point.concurrency,
                                over_sampling_factor=point.over_sampling_factor,
-                               max_response_len=point.max_response_len,
+                               max_response_len=point.max_response_len, max_staleness=point.max_staleness,
                                on_step=lambda record, label=point.label: progress.step(label, record))
         runs.append(run)
         progress.run_done(run)

@@ -45,6 +45,9 @@ class Workload:
     concurrency: int | None = None  # copris N'; None: 2 x rollout_batch_size x n_samples_per_prompt
     over_sampling_factor: float = 2.0
     max_staleness: int | None = None
+    # Each partial-rollout policy is also run at these bounds of april_max_staleness (None:
+    # unbounded), labelled ``policy@s<k>`` (``run_labels``); empty: only at ``max_staleness``.
+    staleness_bounds: tuple[int | None, ...] = ()
     sweep: str = "none"
     sweep_values: tuple[float, ...] = ()
     seed: int = 0
@@ -62,6 +65,13 @@ class Workload:
     tool_median_s: float = 2.0  # emulated seconds
     tool_sigma: float = 1.0  # lognormal sigma: p90 = median x 3.6, p99 = median x 10 at 1.0
     tool_tokens: int = 128
+    # Tools as they run: a bounded pool of tool workers shared by every episode (None: one per
+    # call, no queue); a call that fails holds its worker until ``tool_timeout_s`` and is retried
+    # (at most ``tool_max_retries`` times, then the error text is the result), the heavy tail.
+    tool_workers: int | None = 64
+    tool_failure_rate: float = 0.05
+    tool_timeout_s: float = 30.0
+    tool_max_retries: int = 2
     # The equal-tokens twin of a multi-turn workload: each episode's model tokens as one response
     # of one call, no tool (the same prompts, the same tokens per sample).
     flat_episodes: bool = False
@@ -85,6 +95,9 @@ class Workload:
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"workload concurrency must be >= 1, got {self.concurrency}")
         self._check_turns()
+        bad = [b for b in self.staleness_bounds if b is not None and b < 0]
+        if bad or len(set(self.staleness_bounds)) != len(self.staleness_bounds):
+            raise ValueError(f"workload staleness_bounds must be distinct, >= 0 or none, got {self.staleness_bounds}")
         if "sync-split" in self.policies and self.turns_max:
             raise ValueError("workload: sync-split dispatches single-turn prompts; a multi-turn workload runs sync")
 
@@ -102,6 +115,14 @@ class Workload:
             raise ValueError(f"workload tool_sigma must be a finite number >= 0, got {self.tool_sigma}")
         if self.tool_tokens < 0:
             raise ValueError(f"workload tool_tokens must be >= 0, got {self.tool_tokens}")
+        if self.tool_workers is not None and self.tool_workers < 1:
+            raise ValueError(f"workload tool_workers must be >= 1 or none, got {self.tool_workers}")
+        if not 0.0 <= self.tool_failure_rate < 1.0:
+            raise ValueError(f"workload tool_failure_rate must be in [0, 1), got {self.tool_failure_rate}")
+        if not (self.tool_timeout_s > 0 and math.isfinite(self.tool_timeout_s)):
+            raise ValueError(f"workload tool_timeout_s must be a finite number > 0, got {self.tool_timeout_s}")
+        if self.tool_max_retries < 0:
+            raise ValueError(f"workload tool_max_retries must be >= 0, got {self.tool_max_retries}")
 
     @property
     def samples_per_step(self) -> int:
@@ -114,11 +135,36 @@ class Workload:
     def length_model(self) -> LengthModel:
         return LengthModel.parse(self.length)
 
+    def run_labels(self) -> list[tuple[str, str, int | None]]:
+        """(label, policy, max_staleness) of every policy run: each partial-rollout policy at every
+        bound of ``staleness_bounds`` (``copris@s2``; unbounded keeps the plain name), the sync
+        policies once (they train on-policy)."""
+        out = []
+        for policy in self.policies:
+            if policy.startswith("sync") or not self.staleness_bounds:
+                out.append((policy, policy, self.max_staleness))
+                continue
+            out += [(bound_label(policy, b), policy, b) for b in self.staleness_bounds]
+        return out
+
+
+def bound_label(policy: str, bound: int | None) -> str:
+    return policy if bound is None else f"{policy}@s{bound}"
+
+
+def split_label(label: str) -> tuple[str, int | None]:
+    """``copris@s2`` -> (copris, 2); a plain policy -> (policy, None)."""
+    policy, _, bound = label.partition("@s")
+    return policy, (int(bound) if bound else None)
+
+
+# The bounds users set: VCPO's multi-turn runs used a lag of 2, this project's copris-vcpo launcher 4.
+BOUNDS: tuple[int | None, ...] = (None, 4, 2, 1)
 
 WORKLOADS: dict[str, Workload] = {
     # APRIL's setup (Qwen3-4B, 8 GPUs, DAPO-Math, 32 x 8, 16K, over-sampling 64): the headline.
     # 30 steps: the warm-up detector needs a second half to compare against.
-    "dapo16k": Workload(name="dapo16k", steps=30),
+    "dapo16k": Workload(name="dapo16k", steps=30, staleness_bounds=BOUNDS),
     # CoPRIS fig. 3a ran Qwen3-8B from 8K to 40K; same length law, only the budget changes, so the
     # tail (and the runaway samples that hit the budget) grows with the context.
     "context-sweep": Workload(name="context-sweep", preset="h100-qwen3-8b", length="deepscaler-qwen3-8b",
@@ -135,10 +181,12 @@ WORKLOADS: dict[str, Workload] = {
     # Agentic multi-turn RL (``multiturn.py``), run beside its single-turn twin of equal tokens: 2-6
     # turns per episode; per turn the DAPO-Math law (its shape, 6% of turns running to the budget)
     # with the median scaled down to 1,000 tokens under a 4K per-turn budget; tools of lognormal
-    # latency (median 2 s, sigma 1) between turns, each adding 128 masked tokens to the context.
+    # latency (median 2 s, sigma 1) between turns, each adding 128 masked tokens to the context;
+    # 64 tool workers, 5% of tool calls time out at 30 s and are retried (docs/bench.md, "Tools").
     "multi-turn": Workload(name="multi-turn", length="dapo-math-qwen3-4b-16k:median_tokens=1000",
                            max_response_len=4096, steps=30, policies=("sync", "april", "copris"),
-                           turns_min=2, turns_max=6, tool_median_s=2.0, tool_sigma=1.0, tool_tokens=128),
+                           turns_min=2, turns_max=6, tool_median_s=2.0, tool_sigma=1.0, tool_tokens=128,
+                           staleness_bounds=BOUNDS),
 }
 
 # --quick: a smoke test of the same shapes - fewer steps, prompts and sweep points; its numbers
@@ -146,13 +194,13 @@ WORKLOADS: dict[str, Workload] = {
 # --quick --mode http runs on the wall clock (emulated seconds / --time-scale): short responses and
 # two policies, so it finishes in about two minutes at the default time scale.
 QUICK_HTTP: dict[str, Any] = dict(steps=2, warmup_steps=1, rollout_batch_size=4,
-                                  max_response_len=2048, policies=("sync", "copris"))
+                                  max_response_len=2048, policies=("sync", "copris"), staleness_bounds=())
 QUICK: dict[str, dict[str, Any]] = {
-    "dapo16k": dict(steps=3, warmup_steps=1, rollout_batch_size=8),
+    "dapo16k": dict(steps=3, warmup_steps=1, rollout_batch_size=8, staleness_bounds=(None, 2)),
     "context-sweep": dict(steps=2, warmup_steps=1, rollout_batch_size=8, sweep_values=(8192, 40960)),
     "concurrency-sweep": dict(steps=3, warmup_steps=1, rollout_batch_size=8, sweep_values=(64, 128, 256)),
     "oversampling-sweep": dict(steps=3, warmup_steps=1, rollout_batch_size=8, sweep_values=(1.0, 2.0, 4.0)),
-    "multi-turn": dict(steps=3, warmup_steps=1, rollout_batch_size=8),
+    "multi-turn": dict(steps=3, warmup_steps=1, rollout_batch_size=8, staleness_bounds=(None, 2)),
 }
 
 

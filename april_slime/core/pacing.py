@@ -1,0 +1,127 @@
+"""Staleness pacing and protection of one rollout step: which groups may open, which may count
+towards the target now, and which must finish in this step.
+
+Slack. With ``max_staleness: k``, a group's slack at the step of version ``v`` is
+``k - staleness(v)`` (staleness: the policy lag of its oldest token, 0 before it has any): the
+number of later steps it may still be trained in. Slack 0 means due: trained in this step or never.
+A protected group also has slack 0. Without a bound an unprotected group has no deadline (slack
+``None``) and pacing leaves it alone.
+
+The bound by construction. Every step accepts exactly ``T = rollout_batch_size`` groups, so the
+groups still to be trained can all be trained in time iff, for every ``j``, the live groups (opened
+or holding tokens, not accepted) with slack ``<= j`` number at most ``(T - accepted) + j * T``
+(earliest deadline first on one machine of ``T`` slots a step). Three rules keep that true:
+
+* open: a group that holds no token yet (a new prompt) enters with slack ``k`` and is opened only
+  if the inequality still holds with it;
+* accept: a passing group is accepted only if the groups with less slack than its own still fit in
+  the slots left after it (for ``j < slack``); otherwise it is deferred (``Place.DEFERRED``) and
+  accepted as soon as they do, or goes back to the buffer, complete, at the end of the step. A due
+  group is always accepted;
+* finish: the step's target is therefore met only once every due group is accepted (or was
+  rejected by the filter): no due group is ever aborted at the target. Groups are resumed tightest
+  slack first, and a due group's calls go first in the queue.
+
+At the next step the versions advance by one, every slack by one less, and the inequality at
+``j`` becomes the one at ``j - 1``: it holds again. What pacing cannot prevent (an engine that
+stalls past the drain, versions jumping by more than one a step, a saved buffer from a job with a
+looser bound) is left to the buffer's restart / drop fallback, counted as before.
+
+Protection (``max_interruptions: m``): a group suspended at the target ``m`` times (aborted with
+work left and carried to the next step, ``Group.interruptions``) is protected when its next step
+takes it: it gets slack 0, so it is resumed first and runs to completion in that step instead of
+being aborted again. A group is protected only while the inequality holds with it, so protection
+never makes a due group miss its step; one left unprotected is protected at a later step.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from april_slime.core.types import Group
+
+
+class StalenessPacing:
+    """The pacing decisions of one step; the step's ledger stays the owner of the groups' places."""
+
+    def __init__(self, *, max_staleness: int | None, max_interruptions: int | None, current_version: int,
+                 target: int):
+        self.max_staleness = max_staleness
+        self.max_interruptions = max_interruptions
+        self.current_version = current_version
+        self.target = target
+        self.protected: set[str] = set()  # uids of the groups protected in this step
+        self.deferrals = 0  # times a passing group was deferred
+
+    @property
+    def active(self) -> bool:
+        return self.max_staleness is not None or self.max_interruptions is not None
+
+    def slack(self, group: Group) -> int | None:
+        if group.uid in self.protected:
+            return 0
+        if self.max_staleness is None:
+            return None
+        return self.max_staleness - max(0, group.staleness(self.current_version))
+
+    def must_finish(self, group: Group) -> bool:
+        return self.slack(group) == 0
+
+    def order(self, group: Group) -> float:
+        """Sort key: tightest slack first, no deadline last."""
+        slack = self.slack(group)
+        return float("inf") if slack is None else slack
+
+    # ------------------------------------------------------------------ the rules
+    def protect(self, taken: list[Group], live: list[Group]) -> list[Group]:
+        """At the start of the step: protect the groups of ``taken`` (the buffer's, in its priority
+        order) suspended ``max_interruptions`` times, as far as they fit; returns ``taken`` in the
+        order to resume them (tightest slack first, the buffer's order within a slack)."""
+        if self.max_interruptions is not None:
+            for group in taken:
+                if group.interruptions < self.max_interruptions or group.complete:
+                    continue
+                before = self.slack(group)
+                if before == 0:
+                    continue
+                slacks = [self.slack(g) for g in live if g is not group]
+                if self._fits([*slacks, 0], accepted=0):
+                    self.protected.add(group.uid)
+        return sorted(taken, key=self.order)
+
+    def may_open(self, group: Group, live: list[Group], accepted: int) -> bool:
+        """Whether ``group`` may be opened now; ``live``: the groups that already count."""
+        if any(g is group for g in live):
+            return True  # already counted (it holds tokens): opening it changes nothing
+        slack = self.slack(group)
+        if slack is None:
+            return True
+        return self._fits([*(self.slack(g) for g in live), slack], accepted)
+
+    def may_accept(self, group: Group, live: list[Group], accepted: int) -> bool:
+        """Whether the passing ``group`` (one of ``live``) may count towards the target now."""
+        slack = self.slack(group)
+        if slack == 0:
+            return True
+        others = [s for g in live if g is not group and (s := self.slack(g)) is not None]
+        limit = max(others, default=-1) if slack is None else slack - 1
+        return self._fits(others, accepted + 1, up_to=limit)
+
+    def _fits(self, slacks: Iterable[int | None], accepted: int, up_to: int | None = None) -> bool:
+        """``count(slack <= j) <= (T - accepted) + j * T`` for every ``j`` (up to ``up_to``)."""
+        counted = sorted(s for s in slacks if s is not None)
+        top = counted[-1] if counted else -1
+        if up_to is not None:
+            top = min(top, up_to)
+        below = 0
+        for j in range(0, top + 1):
+            while below < len(counted) and counted[below] <= j:
+                below += 1
+            if below > self.target - accepted + j * self.target:
+                return False
+        return True
+
+
+def holds_tokens(group: Group) -> bool:
+    return any(t.response_length for t in group.trajectories) or any(
+        t.episode_oldest_version is not None for t in group.trajectories)
