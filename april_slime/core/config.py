@@ -301,30 +301,11 @@ class AprilConfig:
         if self.max_concurrency is not None and self.max_concurrency < self.min_concurrency:
             _fail("max_concurrency", f"must be >= min_concurrency ({self.min_concurrency}), "
                                      f"got {self.max_concurrency}")
-        if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
-            _fail("request_timeout_s", f"must be a finite number > 0, got {self.request_timeout_s}")
-        if not 0 <= self.max_retries <= MAX_RETRIES:
-            _fail("max_retries", f"must be in 0..{MAX_RETRIES}, got {self.max_retries}")
-        if not (math.isfinite(self.engine_wait_s) and self.engine_wait_s > 0):
-            _fail("engine_wait_s", f"must be a finite number > 0, got {self.engine_wait_s}")
-        if not (math.isfinite(self.retry_backoff_s) and self.retry_backoff_s >= 0):
-            _fail("retry_backoff_s", f"must be a finite number >= 0, got {self.retry_backoff_s}")
-        total_backoff = self.retry_backoff_s * (2 ** self.max_retries - 1)
-        if total_backoff > MAX_TOTAL_RETRY_BACKOFF_S:
-            _fail("retry_backoff_s", f"{self.retry_backoff_s} s doubled over {self.max_retries} retries waits "
-                                     f"{total_backoff:.0f} s per call, more than {MAX_TOTAL_RETRY_BACKOFF_S:.0f}")
+        _check_engine_calls(self)
         if self.over_sampling_factor > MAX_OVER_SAMPLING_FACTOR:
             _fail("over_sampling_factor", f"must be at most {MAX_OVER_SAMPLING_FACTOR:.0f}, "
                                           f"got {self.over_sampling_factor}")
-        if self.max_live_episodes is not None and self.max_live_episodes < 1:
-            _fail("max_live_episodes", f"must be >= 1 or unset, got {self.max_live_episodes}")
-        if self.max_episode_failures < 0:
-            _fail("max_episode_failures", f"must be >= 0, got {self.max_episode_failures}")
-        if self.max_given_up_in_a_row is not None and self.max_given_up_in_a_row < 1:
-            _fail("max_given_up_in_a_row", f"must be >= 1 or unset, got {self.max_given_up_in_a_row}")
-        if self.episode_tool_timeout_s is not None and not (
-                math.isfinite(self.episode_tool_timeout_s) and self.episode_tool_timeout_s > 0):
-            _fail("episode_tool_timeout_s", f"must be a finite number > 0 or unset, got {self.episode_tool_timeout_s}")
+        _check_episodes(self)
         if self.buffer_dir is not None and not self.buffer_dir.strip():
             _fail("buffer_dir", "must not be empty (leave it unset for <save>/rollout)")
         if not (0.0 <= self.is_low < self.is_high) or not math.isfinite(self.is_high):
@@ -369,6 +350,35 @@ class AprilConfig:
 
     def resolved_concurrency(self, rollout_batch_size: int, n_samples_per_prompt: int) -> int:
         return self.concurrency or rollout_batch_size * n_samples_per_prompt
+
+
+def _check_engine_calls(c: AprilConfig) -> None:
+    """The settings of engine calls: timeouts, retries and their backoff, the wait for the engines."""
+    if not (math.isfinite(c.request_timeout_s) and c.request_timeout_s > 0):
+        _fail("request_timeout_s", f"must be a finite number > 0, got {c.request_timeout_s}")
+    if not 0 <= c.max_retries <= MAX_RETRIES:
+        _fail("max_retries", f"must be in 0..{MAX_RETRIES}, got {c.max_retries}")
+    if not (math.isfinite(c.engine_wait_s) and c.engine_wait_s > 0):
+        _fail("engine_wait_s", f"must be a finite number > 0, got {c.engine_wait_s}")
+    if not (math.isfinite(c.retry_backoff_s) and c.retry_backoff_s >= 0):
+        _fail("retry_backoff_s", f"must be a finite number >= 0, got {c.retry_backoff_s}")
+    total_backoff = c.retry_backoff_s * (2 ** c.max_retries - 1)
+    if total_backoff > MAX_TOTAL_RETRY_BACKOFF_S:
+        _fail("retry_backoff_s", f"{c.retry_backoff_s} s doubled over {c.max_retries} retries waits "
+                                 f"{total_backoff:.0f} s per call, more than {MAX_TOTAL_RETRY_BACKOFF_S:.0f}")
+
+
+def _check_episodes(c: AprilConfig) -> None:
+    """The settings of agent functions' episodes."""
+    if c.max_live_episodes is not None and c.max_live_episodes < 1:
+        _fail("max_live_episodes", f"must be >= 1 or unset, got {c.max_live_episodes}")
+    if c.max_episode_failures < 0:
+        _fail("max_episode_failures", f"must be >= 0, got {c.max_episode_failures}")
+    if c.max_given_up_in_a_row is not None and c.max_given_up_in_a_row < 1:
+        _fail("max_given_up_in_a_row", f"must be >= 1 or unset, got {c.max_given_up_in_a_row}")
+    if c.episode_tool_timeout_s is not None and not (
+            math.isfinite(c.episode_tool_timeout_s) and c.episode_tool_timeout_s > 0):
+        _fail("episode_tool_timeout_s", f"must be a finite number > 0 or unset, got {c.episode_tool_timeout_s}")
 
 
 def _check_staleness(c: AprilConfig) -> None:
