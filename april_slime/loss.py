@@ -77,6 +77,7 @@ from april_slime.core.config import AprilConfig, AprilConfigError
 from april_slime.core.keys import METRIC_PREFIX, OPOB_GROUP_KEY, POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
 from april_slime.training import loss_metrics, offpolicy
 from april_slime.training.baseline import OpobResult, SampleGroups, opob_policy_loss
+from april_slime.training.loss_metrics import without_masked
 from april_slime.training.packed import PackedSamples, concat_samples, response_log_probs_from_logits
 from april_slime.training.proximal import loglinear_proximal_log_probs
 
@@ -367,6 +368,12 @@ def policy_loss(
         _observe_ess(whole, opob.seq_log_ratios if config.vcpo_baseline else None)
 
     keep_local = mb.to_local(objective.keep)
+    trained_local = mb.to_local(mask).bool()
+
+    def token_mean(values: torch.Tensor) -> torch.Tensor:
+        """slime's reduction of a per-token value, the loss-masked tokens' values left out."""
+        return sum_of_sample_mean(without_masked(values, trained_local))
+
     local_log_probs = concat_samples(mb.log_probs)
     local_old = concat_samples(mb.old_log_probs).to(local_log_probs)
     entropy_loss = sum_of_sample_mean(concat_samples(mb.entropy) * keep_local)
@@ -376,7 +383,7 @@ def policy_loss(
     if getattr(args, "use_kl_loss", False):
         ref = concat_samples(mb.ref_log_probs).to(local_log_probs)
         importance = torch.exp(local_log_probs - local_old) if getattr(args, "use_unbiased_kl", False) else None
-        kl_loss = sum_of_sample_mean(offpolicy.approx_kl(local_log_probs, ref, args.kl_loss_type, importance))
+        kl_loss = token_mean(offpolicy.approx_kl(local_log_probs, ref, args.kl_loss_type, importance))
         loss = loss + args.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss
     if local_log_probs.numel() == 0:
@@ -394,15 +401,15 @@ def policy_loss(
         "loss": loss,
         "pg_loss": pg_loss,
         "entropy_loss": entropy_loss,
-        "pg_clipfrac": sum_of_sample_mean(mb.to_local(objective.clipped)),
-        "ppo_kl": sum_of_sample_mean(local_anchor - local_log_probs),
+        "pg_clipfrac": token_mean(mb.to_local(objective.clipped)),
+        "ppo_kl": token_mean(local_anchor - local_log_probs),
     })
     if local_rollout is not None:
         compared = local_log_probs.detach() if anchored_on_rollout else local_old
-        metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean((compared - local_rollout).abs())
+        metrics["train_rollout_logprob_abs_diff"] = token_mean((compared - local_rollout).abs())
 
     if local_rollout is not None:
-        metrics[METRIC_PREFIX + "kl_rollout_train_k3"] = sum_of_sample_mean(
+        metrics[METRIC_PREFIX + "kl_rollout_train_k3"] = token_mean(
             loss_metrics.kl_rollout_train(local_rollout, local_log_probs))
 
     per_token_loss = bool(getattr(args, "calculate_per_token_loss", False))
@@ -421,7 +428,7 @@ def policy_loss(
     if mb.versions is not None:
         local_metrics.update(_staleness_metrics(mb.versions, packing, behaviour_ratio, mb.to_local))
     for key, value in local_metrics.items():
-        metrics[METRIC_PREFIX + key] = sum_of_sample_mean(value.to(local_log_probs.dtype))
+        metrics[METRIC_PREFIX + key] = token_mean(value.to(local_log_probs.dtype))
     return loss, {k: torch.as_tensor(v, device=logits.device).detach().clone().float() for k, v in metrics.items()}
 
 
@@ -570,7 +577,9 @@ def tis(
                                       bool(getattr(args, "calculate_per_token_loss", False))),
         **loss_metrics.is_weight_quantiles(behaviour, mask),
     }
-    metrics = {METRIC_PREFIX + k: mb.to_local(v).detach().clone() for k, v in per_token.items()}
+    trained = mask.bool()
+    metrics = {METRIC_PREFIX + k: mb.to_local(without_masked(v, trained)).detach().clone()
+               for k, v in per_token.items()}
     if mb.versions is not None:
         staleness = _staleness_metrics(mb.versions, packing, behaviour_ratio, mb.to_local)
         metrics.update({METRIC_PREFIX + k: v.detach().clone() for k, v in staleness.items()})
