@@ -746,6 +746,35 @@ def test_abort_racing_a_stop_token_is_finished():
     run_virtual(main())
 
 
+@pytest.mark.parametrize("stop", [2, 7])  # the EOS id, a stop_token_ids entry
+def test_a_buffered_partial_ending_in_a_stop_id_is_finished_without_a_call(stop):
+    """A buffered partial whose response already ends in EOS or a stop id (buffered by a version
+    that did not finish it, or under other stop ids) is complete: the step finishes it without a
+    model call, never resumes it past its stop."""
+
+    async def main():
+        client = FakeClient()
+        buffer = PartialBuffer()
+        prompts = Prompts(2)
+        group = prompts.next_groups(1, 0)[0]
+        ended, partial = group.trajectories
+        for t, last in ((ended, stop), (partial, 11)):
+            t.append([9, 10, last], [-0.5, -0.25, -0.125], 0)
+            t.status, t.finish_reason = TrajectoryStatus.ABORTED, "abort"
+        buffer.put(group)
+        sched = RolloutScheduler(AprilConfig.from_dict({"policy": "sync"}), client, buffer, rollout_batch_size=1,
+                                 n_samples_per_prompt=2, eos_token_id=2, sampling_params={"stop_token_ids": [7]})
+        res = await bounded(sched, prompts, 1)
+        assert [g.uid for g in res.groups] == [group.uid]
+        called = {rid.split("#")[0] for _, rid, _, _ in client.calls}
+        assert ended.uid not in called and partial.uid in called  # the other one is resumed
+        assert ended.status is TrajectoryStatus.COMPLETED and ended.finish_reason == "stop"
+        assert ended.response_ids == [9, 10, stop]
+        assert res.metrics["april/stop_token_finishes"] == 1
+
+    run_virtual(main())
+
+
 def test_stop_ids_come_from_sampling_params_and_eos_unless_ignored():
     client = FakeClient()
     config = AprilConfig.from_dict({"policy": "sync"})
