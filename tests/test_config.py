@@ -69,6 +69,11 @@ def test_cross_checks_with_slime_args():
     with pytest.raises(AprilConfigError, match="april_is_mode"):
         AprilConfig.from_dict({"is_mode": "decoupled"}).check_against_slime(
             SimpleNamespace(use_rollout_logprobs=True))
+    # the live-episode cap holds whole groups: below one group nothing could ever open
+    capped = AprilConfig.from_dict({"max_live_episodes": 6})
+    with pytest.raises(AprilConfigError, match=r"april_max_live_episodes: must be >= n_samples_per_prompt \(8\)"):
+        capped.check_against_slime(SimpleNamespace(rollout_batch_size=8, n_samples_per_prompt=8))
+    capped.check_against_slime(SimpleNamespace(rollout_batch_size=8, n_samples_per_prompt=6))
 
 
 def test_round_trip_and_table_lists_every_key():

@@ -337,6 +337,9 @@ class AprilConfig:
         if self.policy == "copris" and self.concurrency is not None and n is not None and self.concurrency < n:
             _fail("concurrency", f"must be >= n_samples_per_prompt ({n}) so one whole group can be in "
                                  f"flight, got {self.concurrency}")
+        if self.max_live_episodes is not None and n is not None and self.max_live_episodes < n:
+            _fail("max_live_episodes", f"must be >= n_samples_per_prompt ({n}) so one whole group can be "
+                                       f"alive, got {self.max_live_episodes}")
         if self.is_mode == "decoupled" and getattr(args, "use_rollout_logprobs", False):
             _fail("is_mode", "decoupled needs the recomputed proximal log-probs; drop slime's "
                              "--use-rollout-logprobs")
