@@ -167,7 +167,8 @@ class AprilConfig:
     # ---------------------------------------------------------------- VCPO
     vcpo_lr_scaling: bool = field(
         default=False,
-        metadata={"help": "Scale the learning rate of each optimizer step by sqrt(ESS_ratio / rho_on)."},
+        metadata={"help": "Scale the learning rate of each optimizer step by sqrt(ESS_ratio / rho_on). Unless "
+                          "set, april_is_level is then sequence and april_is_high 8 (VCPO's objective)."},
     )
     vcpo_rho_on: float = field(
         default=1.0,
@@ -189,7 +190,8 @@ class AprilConfig:
         default=False,
         metadata={"help": "Replace the group-mean baseline by the off-policy optimal baseline "
                           "b = sum w^2 R ||g||^2 / sum w^2 ||g||^2 from exact per-trajectory "
-                          "gradient norms."},
+                          "gradient norms. Unless set, april_is_mode is then copris, april_is_level "
+                          "sequence and april_is_high 8 (VCPO's objective)."},
     )
     vcpo_baseline_scope: str = field(
         default="group",
@@ -248,6 +250,11 @@ class AprilConfig:
             if name not in known:
                 raise AprilConfigError(f"{SETTING_PREFIX}{name}: unknown setting; {_closest(SETTING_PREFIX + name)}")
             kwargs[name] = _coerce(name, known[name], value)
+        if kwargs.get("vcpo_lr_scaling") or kwargs.get("vcpo_baseline"):
+            for name, value in VCPO_OBJECTIVE.items():
+                kwargs.setdefault(name, value)
+            if kwargs.get("vcpo_baseline"):
+                kwargs.setdefault("is_mode", "copris")
         config = cls(**kwargs)
         config.validate()
         return config
@@ -346,6 +353,15 @@ class AprilConfig:
 
     def resolved_concurrency(self, rollout_batch_size: int, n_samples_per_prompt: int) -> int:
         return self.concurrency or rollout_batch_size * n_samples_per_prompt
+
+
+# What the VCPO settings imply where the job does not set them: the objective VCPO's rules are
+# derived for and the authors' released runs train (sequence-level importance weights truncated at
+# 8; paper section 3.5 and appendix F.3-F.4), not the token-level weights truncated at 2 that are
+# the defaults otherwise. The baseline also implies april_is_mode: copris (the importance-weighted
+# REINFORCE estimator against the rollout log-probs), the only mode it serves. A value the job sets
+# is kept.
+VCPO_OBJECTIVE: dict[str, Any] = {"is_level": "sequence", "is_high": 8.0}
 
 
 def _fail(name: str, reason: str) -> None:
