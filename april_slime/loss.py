@@ -67,6 +67,7 @@ versions the staleness metrics are left out; the loss itself never depends on th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -365,7 +366,7 @@ def policy_loss(
         )
         pg_loss = sum_of_sample_mean(mb.to_local(objective.loss))
     if config.vcpo_lr_scaling:
-        _observe_ess(whole, opob.seq_log_ratios if config.vcpo_baseline else None)
+        _observe_ess(whole, opob.seq_log_ratios if config.vcpo_baseline else None, config.is_high)
 
     keep_local = mb.to_local(objective.keep)
     trained_local = mb.to_local(mask).bool()
@@ -446,7 +447,7 @@ def _vcpo_runtime() -> vcpo.VcpoRuntime:
     return rt
 
 
-def _observe_ess(whole: PackedSamples, seq_log_weights: torch.Tensor | None) -> None:
+def _observe_ess(whole: PackedSamples, seq_log_weights: torch.Tensor | None, is_high: float) -> None:
     """Feed this micro-batch's unclipped sequence log-weights log pi_theta - log pi_rollout to the
     step's ESS statistics (local; reduced across ranks once, at the optimizer step).
 
@@ -455,7 +456,8 @@ def _observe_ess(whole: PackedSamples, seq_log_weights: torch.Tensor | None) -> 
     modify; on the first optimizer step of a rollout it equals pi_old / pi_rollout. Samples
     without a loss-masked token do not enter the gradient and are left out. With
     --recompute-loss-function the loss runs twice per micro-batch, which observes every sample
-    twice: ESS / N is invariant to that.
+    twice: ESS / N is invariant to that. The clipped-weight ESS beside it (logged, not used by the
+    rule, as in VCPO's released code) takes the same samples' weights truncated at ``is_high``.
     """
     if whole.rollout_log_probs is None:
         raise AprilConfigError("april_vcpo_lr_scaling needs rollout log-probs in the batch (SGLang "
@@ -465,7 +467,8 @@ def _observe_ess(whole: PackedSamples, seq_log_weights: torch.Tensor | None) -> 
         seq_log_weights = offpolicy.sequence_log_weights(
             offpolicy.masked_log_ratio(whole.log_probs.detach(), whole.rollout_log_probs, mask), packing, mask)
     has_tokens = packing.sum(mask.to(seq_log_weights.dtype)) > 0
-    _vcpo_runtime().lr_scaler.observe(seq_log_weights, valid=has_tokens)
+    clipped = seq_log_weights.clamp(max=math.log(is_high))
+    _vcpo_runtime().lr_scaler.observe(seq_log_weights, valid=has_tokens, clipped_log_weights=clipped)
 
 
 def _per_sample_rewards(advantages: list[torch.Tensor]) -> torch.Tensor:

@@ -383,7 +383,7 @@ def test_lr_scaling_applies_to_exactly_one_step_and_restores():
     assert opt.used[-1] == pytest.approx([3e-3, 1.5e-3])
     # the optimizer wrapper is installed once, whatever the number of hook calls
     assert opt.step._vcpo_original.__name__ == "step"
-    assert set(rt.metrics()) == {"vcpo/ess_ratio", "vcpo/lr_scale", "vcpo/rho_on"}
+    assert set(rt.metrics()) == {"vcpo/ess_ratio", "vcpo/ess_ratio_clipped", "vcpo/lr_scale", "vcpo/rho_on"}
     vcpo.reset_runtime()
 
 
