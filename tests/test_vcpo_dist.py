@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from april_slime.training.baseline import OpobAccumulator, OpobOptions
+from april_slime.training.baseline import OpobAccumulator, OpobOptions, SampleGroups
 from april_slime.training.ess import EssLrScaler
 from april_slime.training.grad_norms import PerSampleGradNorms, reduce_per_sample_sq_norms
 from april_slime.training.offpolicy import EssStats, Packing
@@ -226,3 +226,77 @@ def test_ess_lr_factor_is_the_whole_steps_on_every_data_parallel_rank():
     for lrs, rank_rho_on in results:
         assert rank_rho_on == pytest.approx(rho_on, rel=1e-12)
         assert lrs == pytest.approx(expected, rel=1e-12)
+
+
+# The group baseline with one sample per micro-batch on two data-parallel ranks: slime's static
+# schedule hands the one-sample micro-batches out round-robin, so each prompt group of 4 has two
+# samples on each rank, at the same micro-batches of both.
+DP_GROUP_SIZE, DP_GROUPS = 4, 2
+DP_OPTIONS = OpobOptions(scope="group", weights="released", norm_by_std=True, length_norm=True)
+
+
+def _dp_samples():
+    """Per global sample: its input, reward, unclipped log-weight and length scale."""
+    g = torch.Generator().manual_seed(3)
+    n = DP_GROUP_SIZE * DP_GROUPS
+    lengths = [2 + (i * 3) % 5 for i in range(n)]
+    xs = [torch.randn(1, length, D, generator=g, dtype=torch.float64) for length in lengths]
+    rewards = [float(v) for v in torch.rand(n, generator=g, dtype=torch.float64)]
+    log_w = [float(v) for v in 0.5 * torch.randn(n, generator=g, dtype=torch.float64)]
+    scale = [1.0 / length for length in lengths]
+    return xs, rewards, log_w, scale
+
+
+def _dp_group_worker(rank, world, across):
+    torch.manual_seed(0)
+    model = FullMLP().double()
+    xs, rewards, log_w, scale = _dp_samples()
+    stds = []
+    for gid in range(DP_GROUPS):
+        group = torch.tensor(rewards[gid * DP_GROUP_SIZE:(gid + 1) * DP_GROUP_SIZE], dtype=torch.float64)
+        stds.append(float(group.std(unbiased=False)))
+
+    # the reference, on every rank: each sample's gradient on its own, the baseline from its definition
+    grads = []
+    for x, lam in zip(xs, scale):
+        model.zero_grad()
+        (lam * model(x).pow(2).sum()).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    expected = [torch.zeros_like(p) for p in model.parameters()]
+    for gid in range(DP_GROUPS):
+        members = range(gid * DP_GROUP_SIZE, (gid + 1) * DP_GROUP_SIZE)
+        weight = {i: sum(float(g.square().sum()) for g in grads[i]) / scale[i] ** 2 * math.exp(2 * log_w[i])
+                  for i in members}
+        b = sum(weight[i] * rewards[i] for i in members) / sum(weight.values())
+        for i in members:
+            for e, g in zip(expected, grads[i]):
+                e += (rewards[i] - b) / stds[gid] * g
+
+    # this rank's one-sample micro-batches, as slime hands them out
+    model.zero_grad(set_to_none=True)
+    acc = OpobAccumulator(PerSampleGradNorms(model, weighted=True), list(model.parameters()), DP_OPTIONS,
+                          dp_group=dist.group.WORLD, groups_across_ranks=across)
+    acc.begin_step()
+    try:
+        for i in range(rank, len(xs), world):
+            gid = i // DP_GROUP_SIZE
+            one = [torch.tensor([v], dtype=torch.float64) for v in (rewards[i], log_w[i], scale[i])]
+            acc.add_microbatch(torch.zeros(xs[i].shape[1], dtype=torch.long), *one,
+                               SampleGroups([gid], [DP_GROUP_SIZE], [stds[gid]]))
+            (scale[i] * model(xs[i]).pow(2).sum()).backward()
+        acc.finish()
+    except RuntimeError as exc:
+        return str(exc)
+    got = [p.grad.clone() for p in model.parameters()]
+    for g in got:
+        dist.all_reduce(g)  # the DP gradient reduction (a sum; Megatron's mean divides it by 2)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+    return len(acc.last_group_baselines)
+
+
+def test_group_baseline_with_one_sample_micro_batches_spread_over_data_parallel_ranks():
+    assert run_on_gloo_ranks(_dp_group_worker, 2, True) == [DP_GROUPS, DP_GROUPS]
+    # rank-local groups cannot serve this layout: each rank holds half of every group
+    refused = run_on_gloo_ranks(_dp_group_worker, 2, False)
+    assert all("prompt group 0 is interrupted after 2 of its 4 samples by group 1" in r for r in refused), refused
