@@ -66,8 +66,9 @@ class EssLrScaler:
         samples of the current step (any number of calls per step; whole sequences, not CP chunks;
         ``valid`` excludes samples). Local only: the cross-rank reduction waits for the optimizer
         step, because data-parallel ranks may run different numbers of micro-batches.
-        ``clipped_log_weights`` [N]: the same samples' weights as the loss clips them, for the
-        clipped-weight ESS that is logged beside the rule's (not used by the rule)."""
+        ``clipped_log_weights`` [N]: the same samples' weights truncated (the loss passes them
+        truncated at april_is_high), for the clipped-weight ESS logged beside the rule's, which it
+        does not use."""
         self._device = seq_log_weights.device
         self._stats.add(seq_log_weights, valid)
         if clipped_log_weights is not None:
