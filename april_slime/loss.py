@@ -67,6 +67,7 @@ versions the staleness metrics are left out; the loss itself never depends on th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -76,7 +77,8 @@ from april_slime import settings, vcpo
 from april_slime.core.config import AprilConfig, AprilConfigError
 from april_slime.core.keys import METRIC_PREFIX, OPOB_GROUP_KEY, POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
 from april_slime.training import loss_metrics, offpolicy
-from april_slime.training.baseline import OpobResult, SampleGroups, opob_policy_loss
+from april_slime.training.baseline import OpobResult, SampleGroups, opob_policy_loss, per_sample_rewards
+from april_slime.training.loss_metrics import without_masked
 from april_slime.training.packed import PackedSamples, concat_samples, response_log_probs_from_logits
 from april_slime.training.proximal import loglinear_proximal_log_probs
 
@@ -193,13 +195,6 @@ def _stale_token_weights(config: AprilConfig, mb: "SlimeMicrobatch") -> tuple[to
     return weights.to(device), stale.to(device)
 
 
-def _staleness_metrics(versions: TokenVersions, packing: offpolicy.Packing, behaviour_ratio: torch.Tensor,
-                       to_local: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
-    per_sample, references = versions
-    out = loss_metrics.staleness_metrics(per_sample, references, packing, behaviour_ratio)
-    return {k: to_local(v) for k, v in out.items()}
-
-
 # --------------------------------------------------------------------------- packing step
 @dataclass(frozen=True)
 class SlimeMicrobatch:
@@ -231,6 +226,11 @@ class SlimeMicrobatch:
     def to_local(self, x: torch.Tensor) -> torch.Tensor:
         """A flat whole-response tensor -> the flat CP-local tensor slime's reducer expects."""
         return self.layout.to_local(x, self.whole.packing)
+
+    def local_staleness_metrics(self, behaviour_ratio: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The staleness metrics of the whole responses (``loss_metrics.staleness_metrics``), local."""
+        out = loss_metrics.staleness_metrics(*self.versions, self.packing, behaviour_ratio)
+        return {k: self.to_local(v) for k, v in out.items()}
 
 
 def read_samples(
@@ -380,9 +380,15 @@ def policy_loss(
         stale = _stale_token_weights(config, mb)
         pg_loss = sum_of_sample_mean(mb.to_local(objective.loss if stale is None else objective.loss * stale[0]))
     if config.vcpo_lr_scaling:
-        _observe_ess(whole, opob.seq_log_ratios if config.vcpo_baseline else None)
+        _observe_ess(whole, opob.seq_log_ratios if config.vcpo_baseline else None, config.is_high)
 
     keep_local = mb.to_local(objective.keep)
+    trained_local = mb.to_local(mask).bool()
+
+    def token_mean(values: torch.Tensor) -> torch.Tensor:
+        """slime's reduction of a per-token value, the loss-masked tokens' values left out."""
+        return sum_of_sample_mean(without_masked(values, trained_local))
+
     local_log_probs = concat_samples(mb.log_probs)
     local_old = concat_samples(mb.old_log_probs).to(local_log_probs)
     entropy_loss = sum_of_sample_mean(concat_samples(mb.entropy) * keep_local)
@@ -392,7 +398,7 @@ def policy_loss(
     if getattr(args, "use_kl_loss", False):
         ref = concat_samples(mb.ref_log_probs).to(local_log_probs)
         importance = torch.exp(local_log_probs - local_old) if getattr(args, "use_unbiased_kl", False) else None
-        kl_loss = sum_of_sample_mean(offpolicy.approx_kl(local_log_probs, ref, args.kl_loss_type, importance))
+        kl_loss = token_mean(offpolicy.approx_kl(local_log_probs, ref, args.kl_loss_type, importance))
         loss = loss + args.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss
     if local_log_probs.numel() == 0:
@@ -410,15 +416,15 @@ def policy_loss(
         "loss": loss,
         "pg_loss": pg_loss,
         "entropy_loss": entropy_loss,
-        "pg_clipfrac": sum_of_sample_mean(mb.to_local(objective.clipped)),
-        "ppo_kl": sum_of_sample_mean(local_anchor - local_log_probs),
+        "pg_clipfrac": token_mean(mb.to_local(objective.clipped)),
+        "ppo_kl": token_mean(local_anchor - local_log_probs),
     })
     if local_rollout is not None:
         compared = local_log_probs.detach() if anchored_on_rollout else local_old
-        metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean((compared - local_rollout).abs())
+        metrics["train_rollout_logprob_abs_diff"] = token_mean((compared - local_rollout).abs())
 
     if local_rollout is not None:
-        metrics[METRIC_PREFIX + "kl_rollout_train_k3"] = sum_of_sample_mean(
+        metrics[METRIC_PREFIX + "kl_rollout_train_k3"] = token_mean(
             loss_metrics.kl_rollout_train(local_rollout, local_log_probs))
 
     per_token_loss = bool(getattr(args, "calculate_per_token_loss", False))
@@ -437,9 +443,9 @@ def policy_loss(
         per_token["stale_token_frac"] = stale[1]
     local_metrics = {k: mb.to_local(v) for k, v in per_token.items()}
     if mb.versions is not None:
-        local_metrics.update(_staleness_metrics(mb.versions, packing, behaviour_ratio, mb.to_local))
+        local_metrics.update(mb.local_staleness_metrics(behaviour_ratio))
     for key, value in local_metrics.items():
-        metrics[METRIC_PREFIX + key] = sum_of_sample_mean(value.to(local_log_probs.dtype))
+        metrics[METRIC_PREFIX + key] = token_mean(value.to(local_log_probs.dtype))
     return loss, {k: torch.as_tensor(v, device=logits.device).detach().clone().float() for k, v in metrics.items()}
 
 
@@ -457,7 +463,7 @@ def _vcpo_runtime() -> vcpo.VcpoRuntime:
     return rt
 
 
-def _observe_ess(whole: PackedSamples, seq_log_weights: torch.Tensor | None) -> None:
+def _observe_ess(whole: PackedSamples, seq_log_weights: torch.Tensor | None, is_high: float) -> None:
     """Feed this micro-batch's unclipped sequence log-weights log pi_theta - log pi_rollout to the
     step's ESS statistics (local; reduced across ranks once, at the optimizer step).
 
@@ -466,7 +472,8 @@ def _observe_ess(whole: PackedSamples, seq_log_weights: torch.Tensor | None) -> 
     modify; on the first optimizer step of a rollout it equals pi_old / pi_rollout. Samples
     without a loss-masked token do not enter the gradient and are left out. With
     --recompute-loss-function the loss runs twice per micro-batch, which observes every sample
-    twice: ESS / N is invariant to that.
+    twice: ESS / N is invariant to that. The clipped-weight ESS beside it (logged, not used by the
+    rule, as in VCPO's released code) takes the same samples' weights truncated at ``is_high``.
     """
     if whole.rollout_log_probs is None:
         raise AprilConfigError("april_vcpo_lr_scaling needs rollout log-probs in the batch (SGLang "
@@ -476,18 +483,8 @@ def _observe_ess(whole: PackedSamples, seq_log_weights: torch.Tensor | None) -> 
         seq_log_weights = offpolicy.sequence_log_weights(
             offpolicy.masked_log_ratio(whole.log_probs.detach(), whole.rollout_log_probs, mask), packing, mask)
     has_tokens = packing.sum(mask.to(seq_log_weights.dtype)) > 0
-    _vcpo_runtime().lr_scaler.observe(seq_log_weights, valid=has_tokens)
-
-
-def _per_sample_rewards(advantages: list[torch.Tensor]) -> torch.Tensor:
-    """R_i from slime's advantages, which must be constant over each response (0 for an empty one)."""
-    rewards = []
-    for i, a in enumerate(advantages):
-        if a.numel() and bool((a != a[0]).any()):
-            raise ValueError(f"sample {i}: april_vcpo_baseline needs one reward per sample, constant over the "
-                             "response (april_slime.vcpo.opob_advantages writes them so); got per-token values")
-        rewards.append(a[0].detach().to(torch.float64) if a.numel() else torch.zeros((), dtype=torch.float64))
-    return torch.stack(rewards)
+    clipped = seq_log_weights.clamp(max=math.log(is_high))
+    _vcpo_runtime().lr_scaler.observe(seq_log_weights, valid=has_tokens, clipped_log_weights=clipped)
 
 
 def _opob_loss(mb: SlimeMicrobatch, logits: torch.Tensor) -> OpobResult:
@@ -517,7 +514,7 @@ def _opob_loss(mb: SlimeMicrobatch, logits: torch.Tensor) -> OpobResult:
     stream = offpolicy.Packing.from_lengths(mb.total_lengths, device=logits.device)
     return opob_policy_loss(
         mb.log_probs, mb.rollout_log_probs, list(mb.whole.loss_mask.split([lp.numel() for lp in mb.log_probs])),
-        _per_sample_rewards(list(mb.advantages)), stream.packed_segment_ids(logits.shape[1]),
+        per_sample_rewards(list(mb.advantages)), stream.packed_segment_ids(logits.shape[1]),
         accumulator=rt.opob, groups=groups, options=rt.opob.options)
 
 
@@ -588,8 +585,10 @@ def tis(
                                       bool(getattr(args, "calculate_per_token_loss", False))),
         **loss_metrics.is_weight_quantiles(behaviour, mask),
     }
-    metrics = {METRIC_PREFIX + k: mb.to_local(v).detach().clone() for k, v in per_token.items()}
+    trained = mask.bool()
+    metrics = {METRIC_PREFIX + k: mb.to_local(without_masked(v, trained)).detach().clone()
+               for k, v in per_token.items()}
     if mb.versions is not None:
-        staleness = _staleness_metrics(mb.versions, packing, behaviour_ratio, mb.to_local)
+        staleness = mb.local_staleness_metrics(behaviour_ratio)
         metrics.update({METRIC_PREFIX + k: v.detach().clone() for k, v in staleness.items()})
     return pg_loss, loss_masks, metrics

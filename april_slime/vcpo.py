@@ -87,7 +87,7 @@ class VcpoRuntime:
         return self.opob.last_baseline if self.opob is not None else float("nan")
 
     def attach_model(self, model: Sequence[nn.Module], tp_rank: int = 0, tp_size: int = 1, tp_group=None,
-                     dp_group=None) -> None:
+                     dp_group=None, groups_across_ranks: bool = False) -> None:
         if not self.config.vcpo_baseline or self.opob is not None:
             return
         try:
@@ -95,7 +95,8 @@ class VcpoRuntime:
         except ValueError as exc:  # a model the per-sample rules cannot cover: a setting error here
             raise AprilConfigError(f"april_vcpo_baseline: {exc}") from exc
         params = [p for chunk in model for p in chunk.parameters() if p.requires_grad]
-        self.opob = OpobAccumulator(norms, params, self.opob_options, dp_group=dp_group)
+        self.opob = OpobAccumulator(norms, params, self.opob_options, dp_group=dp_group,
+                                    groups_across_ranks=groups_across_ranks)
 
     # -- one optimizer step ------------------------------------------------------------------
     def begin_step(self, rollout_id: int = 0, step_id: int = 0) -> None:
@@ -319,9 +320,19 @@ def check_settings(args: Any, config: AprilConfig, dp_size: int = 1) -> None:
         raise AprilConfigError("april_vcpo_baseline: not supported with " + "; ".join(bad))
 
 
+def groups_across_ranks(args: Any, dp_size: int) -> bool:
+    """Whether slime's static schedule spreads each prompt group over the data-parallel ranks:
+    micro-batches smaller than a group go to the ranks round-robin (VCPO's one sample per
+    micro-batch among them), so every rank holds a part of every group, at the same micro-batches."""
+    n = getattr(args, "n_samples_per_prompt", None)
+    mbs = getattr(args, "micro_batch_size", None)
+    return bool(dp_size > 1 and n and mbs and mbs < n)
+
+
 def _group_scope_problems(args: Any, dp_size: int) -> list[str]:
     """The group scope folds each prompt group when its last sample's backward has run, so a
-    group must lie on one rank, in consecutive micro-batches that hold no other group."""
+    group must lie in consecutive micro-batches that hold no other group: on one rank, or, spread
+    over the data-parallel ranks (``groups_across_ranks``), at the same micro-batches of each."""
     n = getattr(args, "n_samples_per_prompt", None)
     mbs = getattr(args, "micro_batch_size", None)
     gbs = getattr(args, "global_batch_size", None)
@@ -329,11 +340,20 @@ def _group_scope_problems(args: Any, dp_size: int) -> list[str]:
     hint = "; or set april_vcpo_baseline_scope: global"
     if getattr(args, "use_dynamic_batch_size", False):
         out.append("april_vcpo_baseline_scope: group with --use-dynamic-batch-size (its packing mixes prompt "
-                   f"groups in a micro-batch): use --micro-batch-size {n or 'n_samples_per_prompt'}{hint}")
-    elif n and mbs and (n % mbs or (dp_size > 1 and mbs != n)):
-        need = f"equal to --n-samples-per-prompt {n}" if dp_size > 1 else f"a divisor of --n-samples-per-prompt {n}"
-        out.append(f"april_vcpo_baseline_scope: group with --micro-batch-size {mbs} (it must be {need} so that "
-                   f"each prompt group stays on one of the {dp_size} data-parallel ranks){hint}")
+                   f"groups in a micro-batch): use --micro-batch-size 1 or {n or 'n_samples_per_prompt'}{hint}")
+    elif n and mbs and n % mbs:
+        out.append(f"april_vcpo_baseline_scope: group with --micro-batch-size {mbs} (it must divide "
+                   f"--n-samples-per-prompt {n} so that no micro-batch holds two prompt groups){hint}")
+    elif groups_across_ranks(args, dp_size):
+        if n % (mbs * dp_size):
+            out.append(f"april_vcpo_baseline_scope: group with --micro-batch-size {mbs} on {dp_size} data-parallel "
+                       f"ranks (--n-samples-per-prompt {n} must be a multiple of {mbs * dp_size}, or equal "
+                       f"--micro-batch-size, so that each prompt group lies at the same micro-batches of every "
+                       f"rank){hint}")
+        if getattr(args, "balance_data", False):
+            out.append(f"april_vcpo_baseline_scope: group with --micro-batch-size {mbs} < --n-samples-per-prompt "
+                       f"{n} and --balance-data on {dp_size} data-parallel ranks (its partition puts a group's "
+                       f"micro-batches at different positions on the ranks){hint}")
     if n and gbs and gbs % n:
         out.append(f"april_vcpo_baseline_scope: group with --global-batch-size {gbs} (not a multiple of "
                    f"--n-samples-per-prompt {n}: a group would be split between optimizer steps){hint}")
@@ -362,7 +382,8 @@ def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_sch
             if dp[1] > 1:
                 check_settings(args, config, dp_size=dp[1])
         rt = VcpoRuntime(config, args=args)
-        rt.attach_model(model, tp_rank=tp[0], tp_size=tp[1], tp_group=tp[2], dp_group=dp[2])
+        rt.attach_model(model, tp_rank=tp[0], tp_size=tp[1], tp_group=tp[2], dp_group=dp[2],
+                        groups_across_ranks=groups_across_ranks(args, dp[1]))
         _RUNTIME = rt
     rt = _RUNTIME
     if rt.lr_scaler is not None or rt.opob is not None:

@@ -1,7 +1,6 @@
-"""``april-slime calibrate`` against the emulator over HTTP: it must recover the time model the
-emulator runs with, and its spec must load into the bench."""
+"""``april-slime calibrate`` against the emulator on its virtual clock: it must recover the time
+model the emulator runs with, and its spec must load into the bench."""
 
-import asyncio
 import json
 
 import pytest
@@ -9,32 +8,39 @@ import pytest
 from april_slime.workbench.bench import EngineSpec, Workload, run_benchmark
 from april_slime.workbench.bench.calibrate import engine_spec, measure
 from april_slime.workbench.bench.calibrate import main as calibrate_main
-from april_slime.workbench.emulator import EmulatorCluster, EngineConfig, TimeModel
+from april_slime.workbench.emulator import EmulatorCluster, EngineConfig, TimeModel, run_virtual
 
-# Slow steps (tens of milliseconds) so a busy machine's scheduling noise stays small next to them.
 TRUTH = TimeModel(decode_t0=0.03, decode_per_request=0.004, decode_per_kv_token=4e-6,
                   prefill_t0=0.02, prefill_per_token=2e-5)
 
 
-async def test_calibrate_recovers_the_emulated_engine_and_writes_a_loadable_spec():
-    cluster = EmulatorCluster(2, engine_config=EngineConfig(
-        time=TRUTH, kv_capacity_tokens=40_000, max_running_requests=64))
-    await cluster.start()
-    try:
-        await cluster.serve_http()
-        m = await measure(cluster.router_url, batches=(1, 4, 8), contexts=(64, 512), decode_tokens=12,
-                          prefill_lengths=(64, 1024), repeats=2, timeout_s=30)
-    finally:
-        await cluster.close()
-    assert m["num_engines"] == 2 and m["engine_url"] == cluster.engine_urls[0]
+def test_calibrate_recovers_the_emulated_engine_and_writes_a_loadable_spec():
+    """On the emulator's virtual clock (its in-process transport), so the measured times are the
+    engine's own and the fit must recover the law it runs, whatever the machine's load; the HTTP
+    path is the same code with ``HttpTransport`` (tests/real/test_calibrate.py, the CLI test)."""
+
+    async def run():
+        cluster = EmulatorCluster(2, engine_config=EngineConfig(
+            time=TRUTH, kv_capacity_tokens=40_000, max_running_requests=64))
+        await cluster.start()
+        try:
+            m = await measure(cluster.router_url, batches=(1, 4, 8), contexts=(64, 512), decode_tokens=12,
+                              prefill_lengths=(64, 1024), repeats=2, timeout_s=30, transport=cluster.transport())
+        finally:
+            await cluster.close()
+        return m, cluster.engine_urls[0]
+
+    m, first_engine = run_virtual(run())
+    assert m["num_engines"] == 2 and m["engine_url"] == first_engine
     assert m["kv_capacity_tokens"] == 40_000
-    # the fitted law predicts the engine's decode step over the grid (a shared machine's timing
-    # noise allowed for), and over a point outside it
+    # the fitted law predicts the engine's decode step over the grid, and over a point outside it
     fitted = TimeModel(decode_t0=m["decode_t0"], decode_per_request=m["decode_per_request"],
                        decode_per_kv_token=m["decode_per_kv_token"])
     for batch, kv in [(1, 100), (4, 2_000), (8, 4_000), (16, 8_000)]:
-        assert fitted.decode_step(batch, kv) == pytest.approx(TRUTH.decode_step(batch, kv), rel=0.2)
-    assert m["decode_t0"] == pytest.approx(TRUTH.decode_t0, rel=0.35)
+        assert fitted.decode_step(batch, kv) == pytest.approx(TRUTH.decode_step(batch, kv), rel=1e-3)
+    for key in ("decode_t0", "decode_per_request", "decode_per_kv_token"):
+        assert m[key] == pytest.approx(getattr(TRUTH, key), rel=1e-3), key
+    assert m["decode_fit"]["max_relative_error"] < 1e-9
     assert 0 <= m["abort_latency_s"] < 0.5
     spec = EngineSpec.from_dict(json.loads(json.dumps(engine_spec(m, "h100-qwen3-4b"))))
     assert spec.kv_capacity() == 40_000 and spec.num_engines == 2
@@ -44,7 +50,7 @@ async def test_calibrate_recovers_the_emulated_engine_and_writes_a_loadable_spec
     # the bench runs on it
     w = Workload(name="t", length="short", max_response_len=64, prompt_len=16, rollout_batch_size=4,
                  n_samples_per_prompt=2, steps=2, warmup_steps=1, policies=("sync",))
-    result = await asyncio.to_thread(run_benchmark, w, spec)  # its own (virtual) event loop
+    result = run_benchmark(w, spec)  # its own (virtual) event loop
     assert result.summaries["sync"]["throughput_tokens_per_s"] > 0
 
 

@@ -69,6 +69,11 @@ def test_cross_checks_with_slime_args():
     with pytest.raises(AprilConfigError, match="april_is_mode"):
         AprilConfig.from_dict({"is_mode": "decoupled"}).check_against_slime(
             SimpleNamespace(use_rollout_logprobs=True))
+    # the live-episode cap holds whole groups: below one group nothing could ever open
+    capped = AprilConfig.from_dict({"max_live_episodes": 6})
+    with pytest.raises(AprilConfigError, match=r"april_max_live_episodes: must be >= n_samples_per_prompt \(8\)"):
+        capped.check_against_slime(SimpleNamespace(rollout_batch_size=8, n_samples_per_prompt=8))
+    capped.check_against_slime(SimpleNamespace(rollout_batch_size=8, n_samples_per_prompt=6))
 
 
 def test_round_trip_and_table_lists_every_key():
@@ -175,3 +180,22 @@ def test_sane_edges_pass():
                            "over_sampling_factor": 100.0, "request_timeout_s": 86400.0})
     AprilConfig.from_dict({"adaptive_concurrency": True, "concurrency": 64, "min_concurrency": 8,
                            "max_concurrency": 512})
+
+
+def test_vcpo_settings_imply_vcpos_objective_unless_set():
+    """VCPO's rules are derived for sequence-level importance weights truncated at 8 (the baseline
+    also for copris's estimator): its settings make that the objective where the job does not
+    choose one, and keep what the job sets."""
+    plain = AprilConfig.from_dict({})
+    assert (plain.is_mode, plain.is_level, plain.is_high) == ("decoupled", "token", 2.0)
+    lr = AprilConfig.from_dict({"vcpo_lr_scaling": True})
+    assert (lr.is_mode, lr.is_level, lr.is_correction, lr.is_high) == ("decoupled", "sequence", "truncate", 8.0)
+    both = AprilConfig.from_dict({"april_vcpo_baseline": True, "april_vcpo_lr_scaling": True})
+    assert (both.is_mode, both.is_level, both.is_high) == ("copris", "sequence", 8.0)
+    chosen = AprilConfig.from_dict({"vcpo_lr_scaling": True, "is_level": "token", "is_high": 2.0})
+    assert (chosen.is_level, chosen.is_high) == ("token", 2.0)
+    off = AprilConfig.from_dict({"vcpo_lr_scaling": False})
+    assert (off.is_level, off.is_high) == ("token", 2.0)
+    # as slime hands them over: the attributes the job set
+    from_args = AprilConfig.from_args(SimpleNamespace(april_vcpo_baseline=True))
+    assert (from_args.is_mode, from_args.is_level, from_args.is_high) == ("copris", "sequence", 8.0)

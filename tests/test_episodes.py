@@ -267,3 +267,35 @@ def test_string_statuses_are_trained_as_slime_trains_them(cluster, tmp_path, pro
         check_sample(s, version_floor=1)
         expected = af.STRING_STATUSES[s.index % len(af.STRING_STATUSES)]
         assert s.status.name == ("TRUNCATED" if expected == "truncated" else "COMPLETED"), (s.index, s.status)
+
+
+def test_copris_keeps_the_live_episodes_within_april_max_live_episodes(cluster, tmp_path, prompts, monkeypatch):
+    """An episode in a tool holds no call, so copris's N' alone would open another group for every
+    tool phase: ``april_max_live_episodes`` bounds the episodes alive at once, in a call or in a
+    tool. The first two groups' episodes hang in their first tool (tools that never return), which
+    frees all of N' = 6 while 6 episodes stay alive: under the cap of 9 one more group opens at a
+    time (9 alive), without it two (12). Counted at every episode start, and as ``episodes/live``."""
+    from april_slime.core.episodes import EpisodeRunner
+
+    live_at_start = []
+    launch = EpisodeRunner._launch
+
+    def counting_launch(self, episode):
+        launch(self, episode)
+        live_at_start.append(self.live)
+
+    monkeypatch.setattr(EpisodeRunner, "_launch", counting_launch)
+    hung = range(6)  # the samples of groups 0 and 1 (3 each)
+    for index in hung:
+        af.CONTROL["hang"][index] = 1
+    args, source = job(tmp_path, prompts, cluster, april_policy="copris", april_concurrency=6,
+                       april_max_live_episodes=9)
+    assert args.n_samples_per_prompt == 3
+    cluster.bump(1)
+    out = rollout.generate_rollout(args, 0, source)
+    assert len(out.samples) == args.rollout_batch_size
+    assert all(af.CONTROL["hang"][i] == 0 for i in hung), "the first two groups never reached their tools"
+    assert max(live_at_start) == 9, str(live_at_start)  # the cap is reached, and never passed
+    runner = rollout._RUNTIME.episodes
+    assert out.metrics["april/episodes/live"] == runner.live <= 9
+    assert runner.live >= 6  # the hung episodes are still alive

@@ -476,3 +476,46 @@ def test_stale_token_lag_without_versions_is_a_clear_error():
     with pytest.raises(AprilConfigError, match="april_stale_token_weight: must be in"):
         april_loss.policy_loss(make_args(april_stale_token_lag=2, april_stale_token_weight=1.5), batch, logits,
                                reducer_for(batch))
+
+
+# ----------------------------------------------------------------------- masked tokens' values
+def _with_masked_values(batch, value):
+    """The batch with ``value`` in the rollout and proximal log-probs of every loss-masked token."""
+    out = dict(batch)
+    for key in ("rollout_log_probs", "log_probs"):
+        out[key] = [torch.where(m.bool(), x, torch.full_like(x, value))
+                    for x, m in zip(batch[key], batch["loss_masks"])]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["copris", "decoupled"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_metrics_ignore_the_values_of_loss_masked_tokens(mode, value):
+    """A NaN or inf log-prob at a token the loss mask drops (an engine's placeholder at a tool
+    token, say) changes neither the loss nor any logged metric: slime's reduction multiplies by the
+    mask, and NaN times 0 is NaN, so masked values must be left out, not multiplied away."""
+    batch, logits = make_batch(seed=12, spread=0.4)
+    assert any(not bool(m.all()) for m in batch["loss_masks"])  # some tokens are masked
+    args = make_args(april_is_mode=mode)
+    finite = _with_masked_values(batch, -3.0)
+    loss, metrics = april_loss.policy_loss(args, finite, logits, reducer_for(batch))
+    loss_bad, metrics_bad = april_loss.policy_loss(args, _with_masked_values(batch, value), logits,
+                                                   reducer_for(batch))
+    assert torch.isfinite(loss_bad) and loss_bad.item() == pytest.approx(loss.item(), rel=1e-12)
+    assert metrics_bad.keys() == metrics.keys()
+    for key, got in metrics_bad.items():
+        assert math.isfinite(got.item()), key
+        assert got.item() == pytest.approx(metrics[key].item(), rel=1e-6, abs=1e-9), key
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_tis_hook_metrics_ignore_the_values_of_loss_masked_tokens(value):
+    batch, pg_loss = tis_inputs(seed=13)
+    args = make_args(use_tis=True)
+    reduce = reducer_for(batch)
+    _, _, metrics = call_tis(args, _with_masked_values(batch, -3.0), pg_loss)
+    _, _, metrics_bad = call_tis(args, _with_masked_values(batch, value), pg_loss)
+    for key, got in metrics_bad.items():
+        got, want = reduce(got).item(), reduce(metrics[key]).item()
+        assert math.isfinite(got), key
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), key

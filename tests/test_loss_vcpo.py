@@ -185,7 +185,7 @@ def test_lr_of_each_step_is_scaled_by_the_ess_of_that_steps_batch_and_restored(m
     """Two optimizer steps of one rollout (log-probs recomputed once, before the first): the ESS of
     step 2 is over the policy of step 2, not the recomputed one."""
     args = make_args(april_is_mode="decoupled", april_is_level="token", april_vcpo_lr_scaling=True,
-                     april_vcpo_rho_on_estimate=True)
+                     april_vcpo_rho_on_estimate=True, april_is_high=1.2)
     model = TokenwiseLM(seed=0)
     optimizer = RecordingSGD(model.parameters(), lr=0.0)
     scheduler = Schedule(optimizer)
@@ -202,6 +202,7 @@ def test_lr_of_each_step_is_scaled_by_the_ess_of_that_steps_batch_and_restored(m
     assert optimizer.used_lr[-1] == pytest.approx(lr1, rel=1e-12)
 
     ratio2 = ess_ratio([lw for lw, _ in sequence_log_weights(model, step2)])
+    clipped2 = ess_ratio([min(lw, math.log(1.2)) for lw, _ in sequence_log_weights(model, step2)])
     stale_ratio2 = ess_ratio([lw for lw, _ in sequence_log_weights(model, step2, against="recomputed")])
     assert abs(ratio2 - stale_ratio2) > 1e-4  # the two definitions are told apart by this test
     factor = math.sqrt(ratio2 / ratio1)
@@ -212,6 +213,10 @@ def test_lr_of_each_step_is_scaled_by_the_ess_of_that_steps_batch_and_restored(m
     assert scaler.last_ess_ratio == pytest.approx(ratio2, rel=1e-9)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(scheduler.lr())  # the schedule's, unscaled
     assert vcpo.runtime().metrics()["vcpo/lr_scale"] == pytest.approx(factor, rel=1e-9)
+    # logged beside it, not used by the rule: the ESS of the same samples' weights truncated at is_high
+    assert abs(clipped2 - ratio2) > 1e-3  # some weights are past the truncation
+    assert scaler.last_ess_ratio_clipped == pytest.approx(clipped2, rel=1e-9)
+    assert vcpo.runtime().metrics()["vcpo/ess_ratio_clipped"] == pytest.approx(clipped2, rel=1e-9)
 
 
 def test_rho_on_is_fixed_by_default_and_an_estimate_survives_a_restart(megatron, tmp_path):

@@ -28,26 +28,11 @@ import pytest
 
 from april_slime import rollout, samples
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
+from april_slime.workbench.emulator.request import _RUNNING
 from tests.support.slime_jobs import Cluster, make_args, point_at
 
 ROLLOUTS = 3
 MAX_ROLLOUTS = 8
-
-# The cluster whose weights ``bump_on_first_reward`` updates, and what it saw when it did.
-BUMP: dict = {}
-
-
-async def bump_on_first_reward(args, sample, **kwargs):
-    """A reward function (slime loads it by path) that pushes new weights to the engines once, at
-    the first reward of the rollout, while other requests are still generating: those finish under
-    the new version, so single generate calls carry two versions (as when weights are pushed
-    during generation, e.g. slime's fully asynchronous training)."""
-    cluster = BUMP.get("cluster")
-    if cluster is not None and "version" not in BUMP:
-        BUMP["running"] = sum(load["num_running_reqs"] for load in cluster.emulator.loads())
-        BUMP["version"] = cluster.emulator.bump_weight_version()
-    return float(sample.response_length % 2)
-
 
 @pytest.fixture
 def prompts(tmp_path):
@@ -160,59 +145,57 @@ def test_samples_handed_back_keep_the_engines_log_probs(cluster, tmp_path, promp
     assert checked > 0
 
 
-@pytest.fixture
-def bump_during_rollout(cluster):
-    BUMP.clear()
-    BUMP["cluster"] = cluster
-    yield BUMP
-    BUMP.clear()
+def bump_inside_a_call(cluster) -> dict:
+    """Push new weights (bump every engine's version) at the end of the first decode step after
+    which a request is still generating with tokens already generated: that call then spans the
+    update, its first tokens under the old version and the rest under the new one (as when weights
+    are pushed during generation, e.g. slime's fully asynchronous training). The engines' own step
+    places the event, so it happens on any machine. Returns what it saw when it pushed."""
+    seen: dict = {}
+    for engine in cluster.emulator.engines:
+        commit = engine._commit
 
+        def commit_then_bump(plan, engine=engine, commit=commit):
+            commit(plan)
+            if "version" in seen:
+                return
+            started = [r for r in engine._requests.values() if r.state == _RUNNING and r.generated > 0]
+            if started:
+                seen["rids"] = {r.rid for r in started}
+                seen["version"] = cluster.emulator.bump_weight_version()
 
-ATTEMPTS = 3  # rollouts tried before the test gives up on placing the update inside a call
+        engine._commit = commit_then_bump
+    return seen
 
 
 @pytest.mark.parametrize("policy", ["april", "copris"])
-def test_weights_pushed_mid_call_give_each_token_the_version_that_generated_it(
-        cluster, tmp_path, prompts, policy, bump_during_rollout):
+def test_weights_pushed_mid_call_give_each_token_the_version_that_generated_it(cluster, tmp_path, prompts, policy):
     """A generate call that spans a weight update returns per-token version runs; the samples
     (trained and buffered) must carry them, token by token. With the call's final version for all
-    of its tokens, the reference stream for those versions differs from the tokens generated.
-
-    The emulator shares the process's event loop: a starved process can wake to find every request
-    finished before the first reward runs, and then no call spans the update. Nothing was checked
-    then, so a new rollout (a new job on the same engines) tries again, at most ATTEMPTS times."""
-    for attempt in range(ATTEMPTS):
-        bump_during_rollout.clear()
-        bump_during_rollout["cluster"] = cluster
-        args = point_at(make_args(tmp_path / f"job{attempt}", prompts, april_policy=policy,
-                                  april_over_sampling_factor=3.0,
-                                  custom_rm_path=f"{__name__}.bump_on_first_reward"), cluster)
-        source = rollout.AprilDataSource(args)
-        trained = rollout.generate_rollout(args, 0, source).samples
-        rollout.shutdown()
-        assert "version" in bump_during_rollout, "the reward function never ran"
-        if bump_during_rollout["running"] == 0:
-            continue  # the update landed after every call had ended
-        # get_samples drops the per-token versions: read them, and each call's version, from the buffer
-        kept = {t.uid: (t.token_versions(), t.call_versions) for g in source.buffer.groups() for t in g.trajectories}
-        buffered = source.get_samples(len(source.buffer)) if len(source.buffer) else []
-        checked = spanning = 0
-        for group, from_buffer in [*((g, False) for g in trained), *((g, True) for g in buffered)]:
-            for position, s in enumerate(group):
-                if s.response_length == 0:
-                    continue
-                if from_buffer:
-                    versions, calls = kept[f"{s.group_index}/{position}"]
-                else:
-                    versions = expand(s.train_metadata[TOKEN_VERSIONS_KEY])
-                    calls = [int(v) for v in s.weight_versions]
-                check_sample(cluster, args, s, position, versions)
-                checked += 1
-                # a call may be one of several stages of the response; only the first call's start is
-                # known here: its first token older than the version it reported means it spanned the update
-                spanning += versions[0] < int(calls[0])
-        assert checked > 0
-        if spanning > 0:
-            return
-    pytest.fail(f"in {ATTEMPTS} rollouts no sample's first generate call spanned the weight update (or its "
-                "tokens lost their own versions); the test checked nothing")
+    of its tokens, the reference stream for those versions differs from the tokens generated."""
+    bumped = bump_inside_a_call(cluster)
+    args = point_at(make_args(tmp_path, prompts, april_policy=policy, april_over_sampling_factor=3.0), cluster)
+    source = rollout.AprilDataSource(args)
+    trained = rollout.generate_rollout(args, 0, source).samples
+    rollout.shutdown()
+    assert "version" in bumped, "no decode step left a request generating; nothing spanned an update"
+    # get_samples drops the per-token versions: read them, and each call's version, from the buffer
+    kept = {t.uid: (t.token_versions(), t.call_versions) for g in source.buffer.groups() for t in g.trajectories}
+    buffered = source.get_samples(len(source.buffer)) if len(source.buffer) else []
+    checked = spanning = 0
+    for group, from_buffer in [*((g, False) for g in trained), *((g, True) for g in buffered)]:
+        for position, s in enumerate(group):
+            if s.response_length == 0:
+                continue
+            if from_buffer:
+                versions, calls = kept[f"{s.group_index}/{position}"]
+            else:
+                versions = expand(s.train_metadata[TOKEN_VERSIONS_KEY])
+                calls = [int(v) for v in s.weight_versions]
+            check_sample(cluster, args, s, position, versions)
+            checked += 1
+            # a call may be one of several stages of the response; only the first call's start is
+            # known here: its first token older than the version it reported means it spanned the update
+            spanning += versions[0] < int(calls[0])
+    assert checked > 0
+    assert spanning > 0, "no sample's first generate call spanned the weight update (or its tokens lost their versions)"

@@ -846,6 +846,35 @@ def test_abort_racing_a_stop_token_is_finished():
     run_virtual(main())
 
 
+@pytest.mark.parametrize("stop", [2, 7])  # the EOS id, a stop_token_ids entry
+def test_a_buffered_partial_ending_in_a_stop_id_is_finished_without_a_call(stop):
+    """A buffered partial whose response already ends in EOS or a stop id (buffered by a version
+    that did not finish it, or under other stop ids) is complete: the step finishes it without a
+    model call, never resumes it past its stop."""
+
+    async def main():
+        client = FakeClient()
+        buffer = PartialBuffer()
+        prompts = Prompts(2)
+        group = prompts.next_groups(1, 0)[0]
+        ended, partial = group.trajectories
+        for t, last in ((ended, stop), (partial, 11)):
+            t.append([9, 10, last], [-0.5, -0.25, -0.125], 0)
+            t.status, t.finish_reason = TrajectoryStatus.ABORTED, "abort"
+        buffer.put(group)
+        sched = RolloutScheduler(AprilConfig.from_dict({"policy": "sync"}), client, buffer, rollout_batch_size=1,
+                                 n_samples_per_prompt=2, eos_token_id=2, sampling_params={"stop_token_ids": [7]})
+        res = await bounded(sched, prompts, 1)
+        assert [g.uid for g in res.groups] == [group.uid]
+        called = {rid.split("#")[0] for _, rid, _, _ in client.calls}
+        assert ended.uid not in called and partial.uid in called  # the other one is resumed
+        assert ended.status is TrajectoryStatus.COMPLETED and ended.finish_reason == "stop"
+        assert ended.response_ids == [9, 10, stop]
+        assert res.metrics["april/stop_token_finishes"] == 1
+
+    run_virtual(main())
+
+
 def test_stop_ids_come_from_sampling_params_and_eos_unless_ignored():
     client = FakeClient()
     config = AprilConfig.from_dict({"policy": "sync"})
@@ -941,8 +970,20 @@ def check_reference(model, t: Trajectory):
 
 
 @pytest.mark.parametrize("policy", ["sync", "april", "copris"])
-async def test_emulator_policies_exact_batches_and_reference_streams(emulator, policy):
-    running, client, _ = emulator
+@virtual_clock
+async def test_emulator_policies_exact_batches_and_reference_streams(policy):
+    """On the virtual clock, so which requests the abort catches mid-way is the same on any
+    machine: partials and resumes across weight updates are there to check, not left to timing."""
+    async with start_cluster(num_engines=2, seed=EMU_SEED, time_scale=1.0, http=False, length="short") as running:
+        client = await EngineClient.from_router(running.router_url, transport=running.transport, timeout_s=60.0,
+                                                max_retries=1, retry_backoff_s=0.01)
+        try:
+            await _policies_exact_batches_and_reference_streams(running, client, policy)
+        finally:
+            await client.close()
+
+
+async def _policies_exact_batches_and_reference_streams(running, client, policy):
     model = running.cluster.model
     sched, _, buffer = make(policy, client=client, batch=4, n=2, concurrency=6)
     prompts = EmuPrompts(2, max_new_tokens=96)
@@ -952,7 +993,7 @@ async def test_emulator_policies_exact_batches_and_reference_streams(emulator, p
         assert len(res.groups) == 4 and all(g.complete for g in res.groups)
         returned += [g.uid for g in res.groups]
         check_conservation(prompts, returned, buffer)
-        # which requests the abort catches mid-way depends on timing: count over every step
+        # count the partials the aborts left over every step
         partials += sum(1 for g in buffer.groups() for t in g.trajectories
                         if t.response_length and not t.status.finished)
         for g in [*res.groups, *buffer.groups()]:

@@ -383,7 +383,7 @@ def test_lr_scaling_applies_to_exactly_one_step_and_restores():
     assert opt.used[-1] == pytest.approx([3e-3, 1.5e-3])
     # the optimizer wrapper is installed once, whatever the number of hook calls
     assert opt.step._vcpo_original.__name__ == "step"
-    assert set(rt.metrics()) == {"vcpo/ess_ratio", "vcpo/lr_scale", "vcpo/rho_on"}
+    assert set(rt.metrics()) == {"vcpo/ess_ratio", "vcpo/ess_ratio_clipped", "vcpo/lr_scale", "vcpo/rho_on"}
     vcpo.reset_runtime()
 
 
@@ -577,14 +577,14 @@ def flag_values(argv: list[str]) -> dict:
 @pytest.mark.parametrize("mode", ["april", "copris"])
 def test_launcher_vcpo_configuration_runs_the_baseline(mode, tmp_path):
     """What examples/qwen3-4B-dapo-math/common.sh passes with VCPO_HOOK=1 (the <mode>-vcpo.yaml keys on
-    args, custom loss, no KL loss, TP 2 with sequence parallelism, static micro-batches of one prompt
-    group on 4 data-parallel ranks) is what VCPO's group baseline accepts; the launcher without its
-    VCPO batching would be refused, naming the flag."""
+    args, custom loss, no KL loss, TP 2 with sequence parallelism, static one-sample micro-batches on
+    4 data-parallel ranks) is what VCPO's group baseline accepts; the launcher without its VCPO
+    batching would be refused, naming the flag."""
     import yaml
 
     argv = launcher_arguments(tmp_path, MODE=mode, VCPO_HOOK="1")
     flags = flag_values(argv)
-    assert "use_dynamic_batch_size" not in flags and flags["micro_batch_size"] == "8"
+    assert "use_dynamic_batch_size" not in flags and flags["micro_batch_size"] == "1"
     assert "use_kl_loss" not in flags and flags["custom_config_path"].endswith(f"{mode}-vcpo.yaml")
     args = SimpleNamespace(**yaml.safe_load(open(flags["custom_config_path"]).read()),
                            loss_type=flags["loss_type"], use_kl_loss=False, entropy_coef=0.0,
@@ -600,12 +600,22 @@ def test_launcher_vcpo_configuration_runs_the_baseline(mode, tmp_path):
     assert config.vcpo_baseline and config.vcpo_lr_scaling and config.vcpo_baseline_scope == "group"
     assert config.is_high == 8.0 and config.vcpo_rho_on == 1.0
     vcpo.check_settings(args, config, dp_size=4)  # nothing refused
+    assert vcpo.groups_across_ranks(args, 4)  # each group lies two samples on each rank
     args.use_dynamic_batch_size = True
     with pytest.raises(AprilConfigError, match="group with --use-dynamic-batch-size"):
         vcpo.check_settings(args, config, dp_size=4)
     args.use_dynamic_batch_size, args.micro_batch_size = False, 4
-    with pytest.raises(AprilConfigError, match="--micro-batch-size 4 .* equal to --n-samples-per-prompt 8"):
+    with pytest.raises(AprilConfigError, match="--micro-batch-size 4 on 4 data-parallel ranks .* multiple of 16"):
         vcpo.check_settings(args, config, dp_size=4)
     vcpo.check_settings(args, config, dp_size=1)  # a divisor is enough on one rank
+    args.micro_batch_size = 8  # a whole group per micro-batch: on one rank
+    vcpo.check_settings(args, config, dp_size=4)
+    assert not vcpo.groups_across_ranks(args, 4)
+    args.micro_batch_size = 3
+    with pytest.raises(AprilConfigError, match="--micro-batch-size 3 .* must divide --n-samples-per-prompt 8"):
+        vcpo.check_settings(args, config, dp_size=1)
+    args.micro_batch_size, args.balance_data = 2, True
+    with pytest.raises(AprilConfigError, match="--balance-data"):
+        vcpo.check_settings(args, config, dp_size=4)
     plain = flag_values(launcher_arguments(tmp_path, MODE=mode))
     assert plain["use_dynamic_batch_size"] is True and "micro_batch_size" not in plain

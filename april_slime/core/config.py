@@ -190,7 +190,8 @@ class AprilConfig:
     # ---------------------------------------------------------------- VCPO
     vcpo_lr_scaling: bool = field(
         default=False,
-        metadata={"help": "Scale the learning rate of each optimizer step by sqrt(ESS_ratio / rho_on)."},
+        metadata={"help": "Scale the learning rate of each optimizer step by sqrt(ESS_ratio / rho_on). Unless "
+                          "set, april_is_level is then sequence and april_is_high 8 (VCPO's objective)."},
     )
     vcpo_rho_on: float = field(
         default=1.0,
@@ -212,7 +213,8 @@ class AprilConfig:
         default=False,
         metadata={"help": "Replace the group-mean baseline by the off-policy optimal baseline "
                           "b = sum w^2 R ||g||^2 / sum w^2 ||g||^2 from exact per-trajectory "
-                          "gradient norms."},
+                          "gradient norms. Unless set, april_is_mode is then copris, april_is_level "
+                          "sequence and april_is_high 8 (VCPO's objective)."},
     )
     vcpo_baseline_scope: str = field(
         default="group",
@@ -271,6 +273,7 @@ class AprilConfig:
             if name not in known:
                 raise AprilConfigError(f"{SETTING_PREFIX}{name}: unknown setting; {_closest(SETTING_PREFIX + name)}")
             kwargs[name] = _coerce(name, known[name], value)
+        _imply_vcpo_objective(kwargs)
         config = cls(**kwargs)
         config.validate()
         return config
@@ -335,21 +338,28 @@ class AprilConfig:
 
     def check_against_slime(self, args: Any) -> None:
         """Cross-checks with slime's own arguments, run once at job start."""
-        batch = getattr(args, "rollout_batch_size", None)
-        n = getattr(args, "n_samples_per_prompt", None)
-        if batch is not None and batch < 1:
-            raise AprilConfigError(f"rollout_batch_size: must be >= 1, got {batch}")
-        if n is not None and n < 1:
-            raise AprilConfigError(f"n_samples_per_prompt: must be >= 1, got {n}")
-        if self.policy == "copris" and self.concurrency is not None and n is not None and self.concurrency < n:
-            _fail("concurrency", f"must be >= n_samples_per_prompt ({n}) so one whole group can be in "
-                                 f"flight, got {self.concurrency}")
-        if self.is_mode == "decoupled" and getattr(args, "use_rollout_logprobs", False):
-            _fail("is_mode", "decoupled needs the recomputed proximal log-probs; drop slime's "
-                             "--use-rollout-logprobs")
+        _check_against_slime(self, args)
 
     def resolved_concurrency(self, rollout_batch_size: int, n_samples_per_prompt: int) -> int:
         return self.concurrency or rollout_batch_size * n_samples_per_prompt
+
+
+def _check_against_slime(c: AprilConfig, args: Any) -> None:
+    batch = getattr(args, "rollout_batch_size", None)
+    n = getattr(args, "n_samples_per_prompt", None)
+    if batch is not None and batch < 1:
+        raise AprilConfigError(f"rollout_batch_size: must be >= 1, got {batch}")
+    if n is not None and n < 1:
+        raise AprilConfigError(f"n_samples_per_prompt: must be >= 1, got {n}")
+    if c.policy == "copris" and c.concurrency is not None and n is not None and c.concurrency < n:
+        _fail("concurrency", f"must be >= n_samples_per_prompt ({n}) so one whole group can be in "
+                             f"flight, got {c.concurrency}")
+    if c.max_live_episodes is not None and n is not None and c.max_live_episodes < n:
+        _fail("max_live_episodes", f"must be >= n_samples_per_prompt ({n}) so one whole group can be "
+                                   f"alive, got {c.max_live_episodes}")
+    if c.is_mode == "decoupled" and getattr(args, "use_rollout_logprobs", False):
+        _fail("is_mode", "decoupled needs the recomputed proximal log-probs; drop slime's "
+                         "--use-rollout-logprobs")
 
 
 def _check_engine_calls(c: AprilConfig) -> None:
@@ -395,6 +405,25 @@ def _check_staleness(c: AprilConfig) -> None:
         _fail("stale_token_weight", "only read with april_stale_token_lag set")
     if c.stale_token_lag is not None and c.vcpo_baseline:
         _fail("stale_token_lag", "not available with april_vcpo_baseline (its loss is reduced per trajectory)")
+
+
+# What the VCPO settings imply where the job does not set them: the objective VCPO's rules are
+# derived for and the authors' released runs train (sequence-level importance weights truncated at
+# 8; paper section 3.5 and appendix F.3-F.4), not the token-level weights truncated at 2 that are
+# the defaults otherwise. The baseline also implies april_is_mode: copris (the importance-weighted
+# REINFORCE estimator against the rollout log-probs), the only mode it serves. A value the job sets
+# is kept.
+VCPO_OBJECTIVE: dict[str, Any] = {"is_level": "sequence", "is_high": 8.0}
+
+
+def _imply_vcpo_objective(kwargs: dict[str, Any]) -> None:
+    """``VCPO_OBJECTIVE`` (and, for the baseline, ``is_mode: copris``) where a VCPO setting is on
+    and the job left those keys unset."""
+    if kwargs.get("vcpo_lr_scaling") or kwargs.get("vcpo_baseline"):
+        for name, value in VCPO_OBJECTIVE.items():
+            kwargs.setdefault(name, value)
+        if kwargs.get("vcpo_baseline"):
+            kwargs.setdefault("is_mode", "copris")
 
 
 def _fail(name: str, reason: str) -> None:

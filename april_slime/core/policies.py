@@ -141,12 +141,15 @@ class CoprisPolicy(Policy):
         if free <= 0 or step.accepted_groups >= step.target:
             return 0
         groups = math.ceil(free / self.n_samples_per_prompt)
-        if step.episodes_live:
+        if step.episodes_live or self.max_live_episodes is not None:
             # An episode in a tool holds no call: without a cap every tool phase would open another
             # group. N' still bounds the calls; this bounds the episodes alive. Buffered groups are
-            # alive already (their episodes wait), so only fresh ones count against the cap.
+            # alive already (their episodes wait), so only fresh ones count against the cap, and
+            # only whole groups that fit under it: rounding up would pass it by up to n - 1.
+            # (A job without episodes has none alive: the cap then only splits one opening into
+            # several, as the scheduler asks again until nothing more opens.)
             cap = self.max_live_episodes or 2 * self.concurrency
-            fresh = max(0, math.ceil((cap - step.episodes_live) / self.n_samples_per_prompt))
+            fresh = max(0, (cap - step.episodes_live) // self.n_samples_per_prompt)
             groups = min(groups, step.groups_to_resume + fresh)
         return groups
 

@@ -195,16 +195,25 @@ class OpobAccumulator:
     it folds the previous micro-batch), then ``finish()`` after the last backward and before any
     gradient reduction (Megatron's ``finalize_model_grads``). The tensor-parallel group whose
     shards add up to a sample's norm is ``grad_norms``'; ``dp_group``: the ranks whose samples
-    share the global baseline (None: every rank of the job). The group scope keeps every group on
-    one rank: nothing crosses ranks but the per-sample norms over the TP group.
+    share the global baseline (None: every rank of the job).
+
+    The group scope keeps each group on one rank (nothing crosses ranks but the per-sample norms
+    over the TP group), unless ``groups_across_ranks``: then every group's samples are spread over
+    the ranks of ``dp_group`` at the same micro-batches of each rank (slime's static schedule with
+    micro-batches smaller than a group hands them out round-robin, VCPO's one sample per
+    micro-batch among them). At each micro-batch boundary the ranks then agree on the group in
+    play and count its samples (one ``MAX`` and one ``SUM`` all-reduce of four numbers); once all
+    of its samples have run, ``b_g`` is formed from every rank's ``W_i`` and ``R_i``, and each rank
+    folds its own part ``(b_g / s_g) P_g``: the DP reduction of the gradients adds the parts up.
     """
 
     def __init__(self, grad_norms: PerSampleGradNorms, params: Sequence[nn.Parameter],
-                 options: OpobOptions = OpobOptions(), *, dp_group=None) -> None:
+                 options: OpobOptions = OpobOptions(), *, dp_group=None, groups_across_ranks: bool = False) -> None:
         self.grad_norms = grad_norms
         self.params = [p for p in params if p.requires_grad]
         self.options = options
         self.dp_group = dp_group
+        self.groups_across_ranks = groups_across_ranks and options.scope == "group" and group_active(dp_group)
         counts = [grad_norms.counts_in_norm(p) for p in self.params]
         self._counted = [p for p, c in zip(self.params, counts) if c == "counted"]
         self._tp_partial = [p for p, c in zip(self.params, counts) if c == "tp_partial"]
@@ -386,15 +395,19 @@ class OpobAccumulator:
         group = self._groups.setdefault(gid, _Group(size=mb.group_sizes[0], scale=mb.scale[0]))
         group.rewards += mb.rewards
         group.log_weights += log_w
-        if len(group.rewards) > group.size:
+        if self.groups_across_ranks:
+            seen, b, mean_reward = self._group_across_ranks(gid, group)
+        else:
+            seen = len(group.rewards)
+            b, mean_reward = weighted_mean(group.rewards, group.log_weights), sum(group.rewards) / seen
+        if seen > group.size:
             raise RuntimeError(f"prompt group {gid} has more samples in this step than its size {group.size}")
-        if len(group.rewards) < group.size:
+        if seen < group.size:
             self._open = gid
             self._move_to_score(grads)
             return
         # the group is complete: F -= (b_g / s_g) P_g
-        b = weighted_mean(group.rewards, group.log_weights)
-        self.last_group_baselines.append((b, sum(group.rewards) / len(group.rewards)))
+        self.last_group_baselines.append((b, mean_reward))
         weighted = self._weighted(grads)
         if self._score is not None and self._open == gid:
             torch._foreach_add_(self._score, grads)
@@ -405,6 +418,27 @@ class OpobAccumulator:
         torch._foreach_zero_(grads)
         self._open = None
         self._closed.add(gid)
+
+    def _group_across_ranks(self, gid: int, group: _Group) -> tuple[int, float, float]:
+        """The samples of ``gid`` run so far on every rank of ``dp_group``, and, once that is the
+        whole group, its baseline and mean reward over them (collective: every rank folds its
+        micro-batch of the same group at the same boundary)."""
+        device = offpolicy.collective_device(self.dp_group, self._device)
+        finite = [lw for lw in group.log_weights if math.isfinite(lw)]
+        head = torch.tensor([gid, -gid, max(finite) if finite else -math.inf], dtype=torch.float64, device=device)
+        dist.all_reduce(head, op=dist.ReduceOp.MAX, group=self.dp_group)
+        highest, lowest, shift = int(head[0]), -int(head[1]), float(head[2])
+        if highest != gid or lowest != gid:
+            raise RuntimeError(f"prompt group {gid} meets groups {lowest}..{highest} at the same micro-batch of the "
+                               "other data-parallel ranks: a group spread over the ranks needs its samples at the "
+                               "same micro-batches of every rank (static batching, no --balance-data, "
+                               "--n-samples-per-prompt a multiple of --micro-batch-size x the data-parallel size)")
+        w = [math.exp(lw - shift) if math.isfinite(lw) else 0.0 for lw in group.log_weights]
+        sums = torch.tensor([len(group.rewards), sum(wi * r for wi, r in zip(w, group.rewards)), sum(w),
+                             sum(group.rewards)], dtype=torch.float64, device=device)
+        dist.all_reduce(sums, group=self.dp_group)
+        seen, num, den, total = int(round(float(sums[0]))), float(sums[1]), float(sums[2]), float(sums[3])
+        return seen, (num / den if den > 0 else 0.0), total / max(seen, 1)
 
     def _global_baseline(self) -> float:
         """``b`` over every rank of ``dp_group``: one MAX and one SUM all-reduce (log-space shift)."""
@@ -426,3 +460,14 @@ class OpobAccumulator:
         if not (math.isfinite(num) and math.isfinite(den)):
             raise FloatingPointError(f"non-finite OPOB sums num={num} den={den}")
         return num / den if den > 0 else 0.0
+
+
+def per_sample_rewards(advantages: list[torch.Tensor]) -> torch.Tensor:
+    """R_i from slime's advantages, which must be constant over each response (0 for an empty one)."""
+    rewards = []
+    for i, a in enumerate(advantages):
+        if a.numel() and bool((a != a[0]).any()):
+            raise ValueError(f"sample {i}: april_vcpo_baseline needs one reward per sample, constant over the "
+                             "response (april_slime.vcpo.opob_advantages writes them so); got per-token values")
+        rewards.append(a[0].detach().to(torch.float64) if a.numel() else torch.zeros((), dtype=torch.float64))
+    return torch.stack(rewards)

@@ -48,26 +48,37 @@ class EssLrScaler:
         self.scale_max = scale_max
         self.group = group
         self._stats = offpolicy.EssStats()
+        self._clipped = offpolicy.EssStats()
         self._device: torch.device | str = "cpu"
         self.last_ess_ratio: float = float("nan")
+        self.last_ess_ratio_clipped: float = float("nan")
         self.last_scale: float = 1.0
         self.steps_scaled = 0
 
     # -- per step --------------------------------------------------------------------------
     def begin_step(self) -> None:
         self._stats = offpolicy.EssStats()
+        self._clipped = offpolicy.EssStats()
 
-    def observe(self, seq_log_weights: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    def observe(self, seq_log_weights: torch.Tensor, valid: torch.Tensor | None = None,
+                clipped_log_weights: torch.Tensor | None = None) -> None:
         """Unclipped sequence log importance weights ``log pi_theta(y|x) - log mu(y|x)`` [N] of
         samples of the current step (any number of calls per step; whole sequences, not CP chunks;
         ``valid`` excludes samples). Local only: the cross-rank reduction waits for the optimizer
-        step, because data-parallel ranks may run different numbers of micro-batches."""
+        step, because data-parallel ranks may run different numbers of micro-batches.
+        ``clipped_log_weights`` [N]: the same samples' weights truncated (the loss passes them
+        truncated at april_is_high), for the clipped-weight ESS logged beside the rule's, which it
+        does not use."""
         self._device = seq_log_weights.device
         self._stats.add(seq_log_weights, valid)
+        if clipped_log_weights is not None:
+            self._clipped.add(clipped_log_weights, valid)
 
     def compute_scale(self) -> float:
         """Collective over ``group``: every rank must call it once per step."""
         stats = self._stats.reduce(self.group, device=self._device)
+        clipped = self._clipped.reduce(self.group, device=self._device)
+        self.last_ess_ratio_clipped = clipped.ess_ratio if clipped.num_samples else float("nan")
         if stats.num_samples == 0:
             # Nothing was measured anywhere (e.g. a loss that does not feed the scaler): leave
             # the step unscaled.
@@ -96,6 +107,7 @@ class EssLrScaler:
             for group, lr in zip(groups, saved):
                 group["lr"] = lr
             self._stats = offpolicy.EssStats()
+            self._clipped = offpolicy.EssStats()
 
     def wrap_optimizer(self, optimizer) -> None:
         """Make ``optimizer.step()`` run inside ``scaled_lr`` (idempotent, instance-level)."""
@@ -124,5 +136,6 @@ class EssLrScaler:
         self.steps_scaled = state["steps_scaled"]
 
     def metrics(self) -> dict[str, float]:
-        return {"vcpo/ess_ratio": self.last_ess_ratio, "vcpo/lr_scale": self.last_scale,
+        return {"vcpo/ess_ratio": self.last_ess_ratio, "vcpo/ess_ratio_clipped": self.last_ess_ratio_clipped,
+                "vcpo/lr_scale": self.last_scale,
                 "vcpo/rho_on": float("nan") if self.rho_on is None else self.rho_on}

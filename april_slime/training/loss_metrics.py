@@ -21,10 +21,18 @@ import torch
 from april_slime.training import offpolicy
 
 __all__ = ["IS_WEIGHT_QUANTILES", "STALENESS_BUCKETS", "is_weight_quantiles", "kl_rollout_train",
-           "per_sample", "staleness_metrics", "weight_metrics"]
+           "per_sample", "staleness_metrics", "weight_metrics", "without_masked"]
 
 STALENESS_BUCKETS = ("stale0", "stale1", "stale2", "stale3+")
 IS_WEIGHT_QUANTILES = (0.05, 0.5, 0.95, 0.99)
+
+
+def without_masked(values: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    """``values`` with 0 at the tokens the loss mask drops (``trained`` False). slime's reduction
+    multiplies each value by the mask, and a NaN or inf there (a placeholder log-prob at a tool
+    token, an overflowed ratio) times 0 is NaN: a masked token's value must be left out, not
+    multiplied away."""
+    return torch.where(trained.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
 def per_sample(values: torch.Tensor, packing: offpolicy.Packing, mask: torch.Tensor,

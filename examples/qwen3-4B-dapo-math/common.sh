@@ -225,8 +225,10 @@ PERF_ARGS=(
 )
 
 # VCPO's group baseline folds each prompt group once its last sample's backward has run, so a
-# micro-batch must hold one group (8 samples) on one rank: static micro-batches of
-# n-samples-per-prompt instead of dynamic batching (docs/vcpo.md, "Limits").
+# micro-batch must hold no more than one group: static micro-batches instead of dynamic batching,
+# of one sample as VCPO's own runs (its norm read off the gradient buffer, no per-layer work; the
+# 8 samples of a group then lie two on each of the 4 data-parallel ranks, which agree on the
+# group's baseline; docs/vcpo.md, "Limits").
 if [ "$VCPO_HOOK" = "1" ]; then
    static=()
    skip_next=0
@@ -238,7 +240,7 @@ if [ "$VCPO_HOOK" = "1" ]; then
          *) static+=("$arg") ;;
       esac
    done
-   PERF_ARGS=("${static[@]}" --micro-batch-size 8)
+   PERF_ARGS=("${static[@]}" --micro-batch-size 1)
 fi
 
 # extra `ray start` options of a platform (run-cpu.sh: CPU scheduling tokens for slime's actors)

@@ -11,7 +11,9 @@ with the repository root as their working directory (``child_process_kwargs``).
 * ``save_kill`` and ``save_kill_worker``: SIGKILLs at every point of a data-source save, then a restart;
 * ``real_tier``: the real tier's shared stack, job arguments, engine probes, event placement and
   sample contract; ``restart_worker``: a real-tier job's rollout side in a process to be killed;
-  ``contract_worker``: slime's plugin-contract checks on a real-tier job.
+  ``contract_worker``: slime's plugin-contract checks on a real-tier job;
+* ``gloo``: a function run on several gloo ranks (spawned processes), for the data- and
+  tensor-parallel tests on CPU.
 """
 
 from __future__ import annotations

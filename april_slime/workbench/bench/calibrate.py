@@ -40,6 +40,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from april_slime.core.transport import HttpTransport, Transport, TransportHTTPError
+
 from .spec import ENGINE_PRESETS
 
 
@@ -48,34 +50,33 @@ class CalibrationError(RuntimeError):
 
 
 class _Engine:
-    def __init__(self, url: str, timeout_s: float):
-        import aiohttp
+    """One engine spoken to through a ``Transport`` (HTTP unless given one; the tests pass the
+    emulator's in-process transport and run on its virtual clock). Times are the event loop's clock,
+    which is the machine's monotonic clock on a real loop."""
 
+    def __init__(self, url: str, timeout_s: float, transport: Transport | None = None):
         self.url = url.rstrip("/")
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+        self.timeout_s = timeout_s
+        self._own_transport = transport is None
+        self.transport: Transport = HttpTransport() if transport is None else transport
 
     async def close(self) -> None:
-        await self.session.close()
+        if self._own_transport:
+            await self.transport.close()
+
+    async def _request(self, method: str, path: str, body: dict | None) -> Any:
+        try:
+            return await self.transport.request(method, self.url, path, body, self.timeout_s)
+        except TransportHTTPError as exc:
+            raise CalibrationError(f"{method} {self.url}{path}: HTTP {exc.status}: {str(exc.body)[:200]}") from exc
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise CalibrationError(f"{method} {self.url}{path}: {exc!r}") from exc
 
     async def get(self, path: str) -> Any:
-        try:
-            async with self.session.get(self.url + path) as reply:
-                if reply.status != 200:
-                    raise CalibrationError(f"GET {self.url}{path}: HTTP {reply.status}")
-                text = await reply.text()
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise CalibrationError(f"GET {self.url}{path}: {exc!r}") from exc
-        return json.loads(text) if text.strip() else None
+        return await self._request("GET", path, None)
 
     async def post(self, path: str, body: dict) -> Any:
-        try:
-            async with self.session.post(self.url + path, json=body) as reply:
-                text = await reply.text()
-                if reply.status != 200:
-                    raise CalibrationError(f"POST {self.url}{path}: HTTP {reply.status}: {text[:200]}")
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise CalibrationError(f"POST {self.url}{path}: {exc!r}") from exc
-        return json.loads(text) if text.strip() else None
+        return await self._request("POST", path, body)
 
     async def generate(self, prompt_len: int, max_new_tokens: int, rid: str | None = None) -> dict:
         ids = [3 + (i * 7) % 97 for i in range(prompt_len)]
@@ -88,10 +89,11 @@ class _Engine:
         return reply
 
     async def batch_time(self, batch: int, prompt_len: int, max_new_tokens: int) -> float:
-        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         replies = await asyncio.gather(*(self.generate(prompt_len, max_new_tokens)
                                          for _ in range(batch)))
-        elapsed = time.perf_counter() - t0
+        elapsed = loop.time() - t0
         for r in replies:
             done = r["meta_info"].get("completion_tokens")
             if done != max_new_tokens:
@@ -152,9 +154,9 @@ def fit_report(rows: Sequence[Sequence[float]], y: Sequence[float]) -> dict[str,
     return report
 
 
-async def _engine_url(url: str, timeout_s: float) -> tuple[str, int]:
+async def _engine_url(url: str, timeout_s: float, transport: Transport | None = None) -> tuple[str, int]:
     """The engine to measure and how many engines there are: a router's first worker, or ``url``."""
-    probe = _Engine(url, timeout_s)
+    probe = _Engine(url, timeout_s, transport)
     try:
         try:
             workers = await probe.get("/workers")
@@ -221,9 +223,11 @@ def _gpus_per_engine(info: Any) -> int | None:
 
 async def measure(url: str, *, batches: Sequence[int] | None = None, contexts: Sequence[int] | None = None,
                   decode_tokens: int = 16, prefill_lengths: Sequence[int] = (64, 512, 2048),
-                  repeats: int = 2, timeout_s: float = 120.0) -> dict[str, Any]:
-    engine_url, num_engines = await _engine_url(url, timeout_s)
-    engine = _Engine(engine_url, timeout_s)
+                  repeats: int = 2, timeout_s: float = 120.0, transport: Transport | None = None) -> dict[str, Any]:
+    """Measure the engine behind ``url`` (a router or an engine); ``transport``: how to reach it
+    (default HTTP)."""
+    engine_url, num_engines = await _engine_url(url, timeout_s, transport)
+    engine = _Engine(engine_url, timeout_s, transport)
     try:
         loads = await engine.get("/v1/loads")
         info = await _optional(engine, "/server_info", "/get_server_info")
@@ -298,10 +302,11 @@ async def measure(url: str, *, batches: Sequence[int] | None = None, contexts: S
         task = asyncio.ensure_future(engine.generate(16, budget, rid))
         while await engine.running() < 1 and not task.done():
             await asyncio.sleep(0.05)
-        sent = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
         await engine.post("/abort_request", {"rid": rid})
         reply = await asyncio.wait_for(task, timeout_s)
-        abort_latency = time.perf_counter() - sent
+        abort_latency = loop.time() - sent
         finish = reply["meta_info"].get("finish_reason") or {}
         if finish.get("type") != "abort":
             raise CalibrationError(f"abort of {rid} on {engine_url} did not abort it: {finish}")
