@@ -81,6 +81,12 @@ def test_cli_rejects_unknown_policy_before_starting_anything(capsys):
     assert "policies" in capsys.readouterr().err
 
 
+def test_cli_refuses_a_condition_without_enough_steps_to_wait_for_it(capsys):
+    assert cli.main(["--quick", "--steps", "3"], until=lambda policy, series: True) == 2
+    assert cli.main(["--quick", "--steps", "3"], until=lambda policy, series: True, max_steps=2) == 2
+    assert "until needs max_steps >= steps (3)" in capsys.readouterr().err
+
+
 def test_cli_settings_follow_the_flags():
     ns = cli._parser().parse_args(["--quick", "--steps", "3", "--policies", "copris", "--sft-steps", "50"])
     s = cli.settings_from(ns)

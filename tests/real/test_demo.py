@@ -85,6 +85,15 @@ def test_plot_is_written(demo_run):
 
 # ------------------------------------------------------------------ --task tool
 TOOL_STEPS = 3
+# Whether a call cut at a copris step's target is answered in the next step depends on the machine's
+# speed: groups that finish while the step drains go to the buffer complete, and the next step may
+# meet its target with them alone, resuming no call. So copris goes on past TOOL_STEPS, step by
+# step, until a call suspended at one step's target was answered in a later one; at most this many.
+TOOL_MAX_STEPS = 10
+
+
+def _resumed_a_call(policy: str, series: dict) -> bool:
+    return policy != "copris" or sum(series["resumed_calls"]) > 0
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +104,7 @@ def tool_run(tmp_path_factory):
     out_json = root / "demo.json"
     rc = cli.main(["--task", "tool", "--quick", "--policies", "sync,copris", "--steps", str(TOOL_STEPS),
                    "--sft-steps", "200", "--cache-dir", str(root / "cache"), "--workdir", str(root / "work"),
-                   "--json", str(out_json)])
+                   "--json", str(out_json)], until=_resumed_a_call, max_steps=TOOL_MAX_STEPS)
     assert rc == 0
     return json.loads(out_json.read_text())
 
@@ -104,11 +113,14 @@ def test_tool_task_runs_episodes_of_several_calls(tool_run):
     assert tool_run["settings"]["task"] == "tool"
     batch = tool_run["settings"]["rollout_batch_size"] * tool_run["settings"]["n_samples_per_prompt"]
     for name, series in tool_run["policies"].items():
+        steps = len(series["reward"])
+        # sync stops at TOOL_STEPS (nothing to wait for); copris may go on to TOOL_MAX_STEPS
+        assert (steps == TOOL_STEPS) if name == "sync" else (TOOL_STEPS <= steps <= TOOL_MAX_STEPS), (name, steps)
         for key in ("reward", "wall_s", "ess_ratio", "episode_calls", "tool_s"):
-            assert len(series[key]) == TOOL_STEPS and all(math.isfinite(v) for v in series[key]), (name, key)
-        assert series["policy_version"] == list(range(TOOL_STEPS)), name
+            assert len(series[key]) == steps and all(math.isfinite(v) for v in series[key]), (name, key)
+        assert series["policy_version"] == list(range(steps)), name
         # the warm policy calls the calculator in most episodes: more model calls than samples, tool time spent
-        assert sum(series["episode_calls"]) > TOOL_STEPS * batch, (name, series["episode_calls"])
+        assert sum(series["episode_calls"]) > steps * batch, (name, series["episode_calls"])
         assert min(series["tool_s"]) > 0, name
         start, end = series["eval_reward"]
         assert start > 0.05 and end >= start - 0.15, (name, series["eval_reward"])
@@ -118,7 +130,12 @@ def test_tool_task_sync_is_on_policy_and_copris_suspends_and_resumes_calls(tool_
     sync, copris = tool_run["policies"]["sync"], tool_run["policies"]["copris"]
     assert sync["suspended_calls"] == [0.0] * TOOL_STEPS and sync["offpolicy_token_fraction"] == [0.0] * TOOL_STEPS
     assert min(sync["ess_ratio"]) > 0.99
-    # copris ends each step with calls pending (suspended episodes), resumes them under new weights
-    assert min(copris["suspended_calls"]) > 0
-    assert sum(copris["resumed_calls"]) > 0
+    # copris ends steps with calls pending (suspended episodes) and resumes them under new weights; not
+    # every step: with fast tools on a loaded machine a step can end with no live episode mid-call
+    assert max(copris["suspended_calls"]) > 0, copris["suspended_calls"]
+    assert sum(copris["resumed_calls"]) > 0, (
+        f"no call suspended at a copris step's target was answered in a later step, in "
+        f"{len(copris['resumed_calls'])} steps: suspended {copris['suspended_calls']}, resumed "
+        f"{copris['resumed_calls']}, calls {copris['episode_calls']}, resumed trajectories "
+        f"{copris['resumed_trajectories']}")
     assert max(copris["offpolicy_token_fraction"]) > 0 and max(copris["loss_offpolicy_token_frac"]) > 0

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from april_slime.workbench.demo.loop import FULL, POLICIES, QUICK, TASKS, TOOL_FULL, TOOL_QUICK
+from april_slime.workbench.demo.loop import FULL, POLICIES, QUICK, TASKS, TOOL_FULL, TOOL_QUICK, Until
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,10 +67,14 @@ def settings_from(ns: argparse.Namespace):
     return dataclasses.replace(base, **changes)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, until: Until | None = None, max_steps: int | None = None) -> int:
+    """The command; a Python caller may also have each policy go on past ``--steps`` until its
+    series satisfy ``until``, at most ``max_steps`` steps (``loop.run_demo``)."""
     ns = _parser().parse_args(argv)
     try:
         settings = settings_from(ns)
+        if until is not None and (max_steps is None or max_steps < settings.steps):
+            raise ValueError(f"until needs max_steps >= steps ({settings.steps}), got {max_steps}")
     except ValueError as e:
         print(f"april-slime demo: {e}", file=sys.stderr)
         return 2
@@ -98,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="april-demo-") as tmp:
         workdir = ns.workdir or Path(tmp)
-        result = run_demo(settings, cache_dir=ns.cache_dir, workdir=workdir, log=log)
+        result = run_demo(settings, cache_dir=ns.cache_dir, workdir=workdir, log=log, until=until,
+                          max_steps=max_steps)
     for line in summary(result):
         log(line)
     if ns.json:

@@ -18,6 +18,12 @@ Every policy starts from the same warm-started checkpoint (the engines are reset
 and sees the same prompt order. ``wall_s`` counts rollout + train + push; the held-out evaluation
 (sampled answers of the current policy on fixed prompts, every ``eval_every`` steps) is left out
 of it.
+
+A caller that needs an event to have happened (a test: a call suspended at one step's target and
+answered in a later one) passes ``until`` and ``max_steps`` to ``run_demo``: a policy whose series
+do not satisfy ``until`` after ``steps`` steps goes on, one step at a time, until they do or it has
+run ``max_steps``. The event is then waited for in steps, whatever the machine's speed. Those extra
+steps are not evaluated on the held-out prompts.
 """
 
 from __future__ import annotations
@@ -103,6 +109,9 @@ QUICK = DemoSettings(policies=("sync", "copris"), steps=15)
 FULL = DemoSettings()
 TOOL_QUICK = DemoSettings(task="tool", policy=ToolPolicySpec(), policies=("sync", "copris"), steps=15)
 TOOL_FULL = DemoSettings(task="tool", policy=ToolPolicySpec())
+
+# a condition on one policy's series so far: (policy name, series) -> satisfied
+Until = Callable[[str, dict[str, list[float]]], bool]
 
 
 # ====================================================================== slime arguments
@@ -216,7 +225,10 @@ def evaluate(engine_urls: list[str], tokenizer: Any, prompts: list[dict], settin
 # ====================================================================== one policy
 def run_policy(policy: str, settings: DemoSettings, *, checkpoint: Path, prompts: Path, eval_prompts: list[dict],
                router_url: str, engine_urls: list[str], workdir: Path,
-               log: Callable[[str], None] = print) -> dict[str, list[float]]:
+               log: Callable[[str], None] = print, until: Until | None = None,
+               max_steps: int | None = None) -> dict[str, list[float]]:
+    """``settings.steps`` steps of ``policy`` from the warm start; then, with ``until``, more steps
+    until ``until(policy, series)`` holds or ``max_steps`` were run."""
     import torch
     from slime.rollout.base_types import call_rollout_fn
     from slime.rollout.sample_hooks import set_current_rollout_id
@@ -243,8 +255,15 @@ def run_policy(policy: str, settings: DemoSettings, *, checkpoint: Path, prompts
     log(f"[{policy}] warm start: held-out reward {history['eval_reward'][0]:.3f}")
     wall = 0.0
     weights_dir = workdir / policy / "weights"
+
+    def more(step: int) -> bool:
+        if step < settings.steps:
+            return True
+        return until is not None and step < (max_steps or 0) and not until(policy, history)
+
+    step = 0
     try:
-        for step in range(settings.steps):
+        while more(step):
             t0 = time.perf_counter()
             set_current_rollout_id(step)
             out = call_rollout_fn(generate_rollout, args, step, data_source, evaluation=False)
@@ -258,12 +277,13 @@ def run_policy(policy: str, settings: DemoSettings, *, checkpoint: Path, prompts
             shutil.rmtree(weights_dir / f"v{version - 1}", ignore_errors=True)  # loaded; no longer needed
             wall += t3 - t0
             _record(history, out, train, wall, (t1 - t0, t2 - t1, t3 - t2))
-            if version % settings.eval_every == 0 or version == settings.steps:
+            if version <= settings.steps and (version % settings.eval_every == 0 or version == settings.steps):
                 history["eval_step"].append(version)
                 history["eval_wall_s"].append(wall)
                 history["eval_reward"].append(evaluate(engine_urls, tokenizer, eval_prompts, settings,
                                                        router_url=router_url, checkpoint=checkpoint))
             log(_progress(policy, step, settings.steps, history))
+            step += 1
     finally:
         rollout.shutdown()
         shutil.rmtree(weights_dir, ignore_errors=True)
@@ -300,7 +320,8 @@ def _record(history: dict[str, list[float]], out: Any, train: dict[str, float], 
 
 
 def _progress(policy: str, step: int, steps: int, h: dict[str, list[float]]) -> str:
-    line = (f"[{policy}] step {step + 1}/{steps}  reward {h['reward'][-1]:.3f}  "
+    of = f"{steps}" if step < steps else f"{steps}+"  # past ``steps``: waiting for ``until``
+    line = (f"[{policy}] step {step + 1}/{of}  reward {h['reward'][-1]:.3f}  "
             f"wall {h['wall_s'][-1]:6.1f}s (rollout {h['rollout_s'][-1]:.1f} train {h['train_s'][-1]:.1f} "
             f"push {h['push_s'][-1]:.1f})  off-policy {h['offpolicy_token_fraction'][-1]:.2f}  "
             f"staleness {h['staleness_mean'][-1]:.2f}  ESS {h['ess_ratio'][-1]:.3f}  "
@@ -316,8 +337,13 @@ def _progress(policy: str, step: int, steps: int, h: dict[str, list[float]]) -> 
 
 # ====================================================================== the whole demo
 def run_demo(settings: DemoSettings, *, cache_dir: Path, workdir: Path,
-             log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Build (or reuse) the warm-started policy, start the engines and router, run every policy."""
+             log: Callable[[str], None] = print, until: Until | None = None,
+             max_steps: int | None = None) -> dict[str, Any]:
+    """Build (or reuse) the warm-started policy, start the engines and router, run every policy
+    (``settings.steps`` steps each; with ``until``, each goes on until its series satisfy it, at
+    most ``max_steps`` steps in all)."""
+    if until is not None and (max_steps is None or max_steps < settings.steps):
+        raise ValueError(f"until needs max_steps >= steps ({settings.steps}), got {max_steps}")
     from transformers.utils import logging as hf_logging
 
     from april_slime.workbench.demo.policy import build_policy
@@ -350,7 +376,8 @@ def run_demo(settings: DemoSettings, *, cache_dir: Path, workdir: Path,
         for policy in settings.policies:
             results[policy] = run_policy(policy, settings, checkpoint=checkpoint, prompts=prompts,
                                          eval_prompts=held_out, router_url=stack.router_url,
-                                         engine_urls=list(stack.engine_urls), workdir=workdir, log=log)
+                                         engine_urls=list(stack.engine_urls), workdir=workdir, log=log,
+                                         until=until, max_steps=max_steps)
     return {"policies": results, "settings": _plain(dataclasses.asdict(settings)),
             "checkpoint": str(checkpoint), "policy_build_s": t_policy, "engine_start_s": t_engines,
             "total_s": time.perf_counter() - started}
