@@ -60,6 +60,8 @@ SGLANG_ARGS=(
    --sglang-sampling-backend pytorch
    --sglang-disable-cuda-graph
    --sglang-dtype float32
+   # an idle scheduler otherwise busy-polls about half a core
+   --sglang-sleep-on-idle
    # on a CPU the KV pool is sized from the host's memory, all of it shared with the job: a small one
    --sglang-max-total-tokens "${SGLANG_MAX_TOTAL_TOKENS:-32768}"
    --sglang-max-running-requests 16
