@@ -42,13 +42,14 @@ def _patch_host_alloc(module) -> None:
         module.ALLOC_MEMORY_FUNCS["cpu"] = _cpu_alloc
 
 
-def _register_cpu_accelerator(module) -> None:
+def cpu_accelerator_class():
+    """The host as slime's accelerator (a subclass of slime's ``Accelerator``): one device, no
+    streams, no device memory, gloo for process groups. Also what the training tier's tests install
+    with slime's ``set_accelerator`` (``tests/support/training/slime_cpu.py``)."""
     import torch
     from slime.utils.accelerator.base import Accelerator
 
     class CpuAccelerator(Accelerator):
-        """The host as slime's accelerator: one device, no streams, no device memory."""
-
         name = "cpu"
         device_type = "cpu"
         communication_backend_name = "gloo"
@@ -89,9 +90,13 @@ def _register_cpu_accelerator(module) -> None:
         def memory_reserved(self, device=None) -> int:
             return 0
 
+    return CpuAccelerator
+
+
+def _register_cpu_accelerator(module) -> None:
     # no communication_backends: gloo is no device backend (slime destroys and rebuilds the WORLD
     # group across sleep / wake only for those)
-    module.register_accelerator("cpu", CpuAccelerator, lambda: not _cuda_available(), priority=-100)
+    module.register_accelerator("cpu", cpu_accelerator_class(), lambda: not _cuda_available(), priority=-100)
 
 
 AFTER_IMPORT = {
@@ -121,5 +126,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+# only as the interpreter's own sitecustomize: a test that loads this file for its accelerator
+# class must not install the import hooks a second time
+if __name__ == "sitecustomize" and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
     sys.meta_path.insert(0, _AfterImport())

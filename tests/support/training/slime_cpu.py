@@ -47,9 +47,10 @@ from slime.backends.megatron_utils import loss as slime_loss
 from slime.ray import rollout as slime_rollout
 from slime.utils import accelerator as slime_accelerator
 from slime.utils import data as slime_utils_data
-from slime.utils.accelerator.base import Accelerator
 from slime.utils.types import Sample
 from torch import nn
+
+from tests.support import ROOT
 
 VOCAB = 29
 
@@ -58,46 +59,16 @@ BATCH_KEYS = ["tokens", "multimodal_train_inputs", "packed_seq_params", "total_l
               "teacher_log_probs", "rollout_mask_sums", "metadata"]
 
 
-class CpuAccelerator(Accelerator):
-    name = "cpu"
-    device_type = "cpu"
-    communication_backend_name = "gloo"
+def _cpu_accelerator_class():
+    """slime's CPU accelerator as the launcher's ``sitecustomize`` registers it (one home for it)."""
+    path = ROOT / "scripts" / "real-stack" / "sglang_cpu_site" / "sitecustomize.py"
+    spec = importlib.util.spec_from_file_location("april_cpu_site", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.cpu_accelerator_class()
 
-    def is_available(self) -> bool:
-        return True
 
-    def device(self, index=None) -> torch.device:
-        return torch.device("cpu")
-
-    def device_name(self, index=None) -> str:
-        return "cpu"
-
-    def set_device(self, index) -> None:
-        pass
-
-    def current_device(self) -> str:
-        return "cpu"
-
-    def device_count(self) -> int:
-        return 1
-
-    def synchronize(self, device=None) -> None:
-        pass
-
-    def current_stream(self, device=None):
-        return None
-
-    def empty_cache(self) -> None:
-        pass
-
-    def mem_get_info(self, device=None) -> tuple[int, int]:
-        return 0, 0
-
-    def memory_allocated(self, device=None) -> int:
-        return 0
-
-    def memory_reserved(self, device=None) -> int:
-        return 0
+CpuAccelerator = _cpu_accelerator_class()
 
 
 def free_port() -> int:
