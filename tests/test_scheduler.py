@@ -51,6 +51,8 @@ class FakeClient:
         self.reject = lambda url, rid: False  # -> HTTP 400 for this call
         self.eos_on_abort = None  # token id an aborted reply ends with (abort racing a stop)
         self.split_versions = False  # weights change half-way through every call
+        self.abort_at_budget = False  # an aborted reply holds every token its request allowed
+        self.budget_aborts = 0  # replies "abort" that filled their request's budget
 
     def natural_length(self, key, seed) -> int:
         rng = random.Random(_h("len", key, seed))
@@ -87,8 +89,9 @@ class FakeClient:
         t0 = loop.time()
         try:
             await asyncio.wait_for(abort.wait(), n * self.token_time)
-            n = min(n, int((loop.time() - t0) / self.token_time))
+            n = max_new_tokens if self.abort_at_budget else min(n, int((loop.time() - t0) / self.token_time))
             finish = "abort"
+            self.budget_aborts += n == max_new_tokens
         except asyncio.TimeoutError:
             pass
         finally:
@@ -842,6 +845,28 @@ def test_abort_racing_a_stop_token_is_finished():
         await bounded(sched, prompts, 1)
         ended = {t.uid for g in buffer.groups() for t in g.trajectories if t.response_ids[-1:] == [2]}
         assert not any(rid.split("#")[0] in ended for _, rid, _, _ in client.calls)
+
+    run_virtual(main())
+
+
+@pytest.mark.parametrize("policy", ["april", "copris"])
+def test_abort_racing_the_budget_is_a_truncation(policy):
+    """SGLang answers "abort" for a request aborted after its last allowed token: the response is
+    as long as it may be. It is TRUNCATED with finish_reason "length" (a generate function reads
+    that reason in the reply the plugin builds, and must never read an abort the plugin caused)."""
+
+    async def main():
+        client = FakeClient(token_time=0.02)
+        client.abort_at_budget = True
+        sched, _, buffer = make(policy, client=client, batch=2, n=2, concurrency=8)
+        res = await bounded(sched, Prompts(2, max_new_tokens=40), 0)
+        assert client.budget_aborts > 0  # the race happened
+        every = [t for g in [*res.groups, *buffer.groups()] for t in g.trajectories]
+        raced = [t for t in every if t.response_length == 40 and t.finish_reason != "stop"]
+        assert len(raced) >= client.budget_aborts
+        for t in raced:
+            assert t.status is TrajectoryStatus.TRUNCATED and t.finish_reason == "length", t.uid
+        assert not any(t.finish_reason == "abort" for t in every if t.status.finished)
 
     run_virtual(main())
 

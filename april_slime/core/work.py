@@ -21,7 +21,8 @@ response`` and ``max_new_tokens`` reduced by what it already has; the reply's to
 are appended with their per-token policy versions (SGLang's ``weight_versions`` spans when the
 weights changed during the call, else the reply's ``weight_version``). A trajectory with no budget
 left is marked TRUNCATED without a call. An aborted reply's partial tokens are appended; one that
-raced the abort and finished counts as finished.
+raced the abort and finished counts as finished (ending in a stop token: "stop"; filling the budget:
+"length", so no reply the plugin builds ever says "abort" for a finished call).
 
 The seam for multi-turn episodes (slime's custom generate functions: an agent coroutine per
 sample that makes several model calls with tool calls between them) is a second kind with the same
@@ -119,10 +120,14 @@ class TrajectoryWork:
                 t.num_aborts += 1
                 self.counters.aborted_tokens += tokens
             finish = "stop"
+        if finish == "abort" and t.remaining_tokens <= 0:
+            # the abort came after the last token the budget allows: the response is truncated, and
+            # a generate function must read "length" here, never an abort the plugin caused
+            finish = "length"
         t.finish_reason = finish
         if finish == "stop":
             t.status = TrajectoryStatus.COMPLETED
-        elif finish == "length" or t.remaining_tokens <= 0:
+        elif finish == "length":
             t.status = TrajectoryStatus.TRUNCATED
         else:
             t.status = TrajectoryStatus.ABORTED if t.response_ids else TrajectoryStatus.PENDING
