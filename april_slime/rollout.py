@@ -130,7 +130,6 @@ class _Runtime:
         self.router_url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
         self.client: _PolicyVersionClient | None = None
         self.scheduler = None
-        self.controller = None
         self.version_offset: int | None = None
         self.filter_fn = (self.slime.load_function(args.dynamic_sampling_filter_path)
                           if getattr(args, "dynamic_sampling_filter_path", None) else None)
@@ -212,22 +211,16 @@ class _Runtime:
             raise AprilConfigError(f"{key}: the rollout engines do not return what training replays: {e}") from None
 
     def _build_scheduler(self):
-        from april_slime.core.scheduler import RolloutScheduler
+        from april_slime.core.scheduler import assemble_scheduler
 
         args = self.args
-        if self.controller is None and self.config.adaptive_concurrency and self.config.policy == "copris":
-            from april_slime.core.adaptive import AdaptiveConcurrencyController
-
-            self.controller = AdaptiveConcurrencyController.from_config(
-                self.config, args.rollout_batch_size, args.n_samples_per_prompt)
-        return RolloutScheduler(
+        return assemble_scheduler(
             self.config, self.client, self.data_source.buffer,
             rollout_batch_size=args.rollout_batch_size,
             n_samples_per_prompt=args.n_samples_per_prompt,
             sampling_params=sampling_params(args),
             reward_fn=self._reward_group,
             group_filter=self._keep_group if self.filter_fn is not None else None,
-            controller=self.controller,
             over_sampling_batch_size=_explicit_over_sampling(args),
             eos_token_id=_eos_token_ids(self.codec),
             episodes=self.episodes,

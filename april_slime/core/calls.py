@@ -27,7 +27,7 @@ from typing import Awaitable, Protocol
 
 from april_slime.core.engine import EngineClient
 from april_slime.core.health import EngineWatch
-from april_slime.core.step_metrics import StepCounters
+from april_slime.core.step_context import CallReplied, StepContext
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +52,11 @@ class Call:
 class EngineCalls:
     """The step's calls in flight (rid -> ``Call``) and its pending aborts."""
 
-    def __init__(self, client: EngineClient, engines: EngineWatch, loop: asyncio.AbstractEventLoop,
-                 events: asyncio.Queue, counters: StepCounters, *, sampling_params: dict,
+    def __init__(self, step: StepContext, client: EngineClient, engines: EngineWatch, *, sampling_params: dict,
                  abort_timeout_s: float):
+        self.step = step
         self.client = client
         self.engines = engines
-        self.loop = loop
-        self.events = events
-        self.counters = counters
         self.sampling_params = sampling_params
         self.abort_timeout_s = abort_timeout_s
         self.in_flight: dict[str, Call] = {}
@@ -75,8 +72,8 @@ class EngineCalls:
         call = Call(item, url, rid)
         self.in_flight[rid] = call
         self.engines.call_started(url)
-        self.counters.engine_calls += 1
-        call.task = self.loop.create_task(self._generate(call, input_ids, max_new_tokens))
+        self.step.counters.engine_calls += 1
+        call.task = self.step.loop.create_task(self._generate(call, input_ids, max_new_tokens))
         return call
 
     async def _generate(self, call: Call, input_ids: list[int], max_new_tokens: int) -> None:
@@ -88,17 +85,17 @@ class EngineCalls:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # classified by the step, its queue's only consumer
-            self.events.put_nowait(("reply", call, None, e))
+            self.step.report(CallReplied(call.rid, None, e))
         else:
-            self.events.put_nowait(("reply", call, result, None))
+            self.step.report(CallReplied(call.rid, result, None))
 
-    def settle(self, call: Call) -> bool:
-        """A reply (or error) arrived: take the call out of flight. False when it was already
-        settled (cancelled by the drain deadline, a stalled engine or a dropped group)."""
-        if self.in_flight.pop(call.rid, None) is None:
-            return False
-        self.engines.call_ended(call.engine_url, answered=True)
-        return True
+    def settle(self, rid: str) -> Call | None:
+        """A reply (or error) arrived for ``rid``: take its call out of flight. None when it was
+        already settled (cancelled by the drain deadline, a stalled engine or a dropped group)."""
+        call = self.in_flight.pop(rid, None)
+        if call is not None:
+            self.engines.call_ended(call.engine_url, answered=True)
+        return call
 
     def forget(self, call: Call) -> bool:
         """Take a call out of flight without its reply (which is ignored if it comes). False when
@@ -117,10 +114,10 @@ class EngineCalls:
         pending = self.aborts.get(key)
         if pending is not None and not pending.done():
             return
-        self.aborts[key] = self.loop.create_task(self._abort(url, rid))
+        self.aborts[key] = self.step.loop.create_task(self._abort(url, rid))
 
     async def _abort(self, url: str, rid: str | None) -> None:
-        self.counters.abort_calls += 1
+        self.step.counters.abort_calls += 1
         try:
             await self.client.abort(url, rid=rid, abort_all=rid is None,
                                     timeout_s=self.abort_timeout_s, max_retries=0)
@@ -128,13 +125,13 @@ class EngineCalls:
             raise
         except Exception as e:
             # the request's own reply (or the drain deadline) still settles the trajectory
-            self.counters.abort_errors += 1
+            self.step.counters.abort_errors += 1
             logger.warning("abort on %s failed: %s", url, e)
 
     def abort_detached(self, url: str) -> None:
         """Abort everything ``url`` runs, from a step that is being cancelled (the engine would
         otherwise keep generating replies nobody reads)."""
-        _detach(self.loop, self.client.abort(url, abort_all=True, timeout_s=self.abort_timeout_s,
+        _detach(self.step.loop, self.client.abort(url, abort_all=True, timeout_s=self.abort_timeout_s,
                                               max_retries=0))
 
     def stop(self) -> None:

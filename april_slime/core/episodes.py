@@ -23,8 +23,8 @@ engines): a call made then waits, pending on its episode, until the next step op
 Tools already running go on meanwhile; the coroutines live on the job's persistent event loop.
 
 ``EpisodeRunner`` owns every live episode of the job (member uid -> ``Episode``). The running step
-attaches its event queue; the runner then reports ``("episode_call", call_trajectory)`` when an
-episode asks for a call and ``("episode_done", member)`` when one finishes or must be given up.
+attaches its event queue; the runner then reports ``EpisodeCallAsked(call_trajectory)`` when an
+episode asks for a call and ``EpisodeEnded(member)`` when one finishes or must be given up.
 Without a step attached, the same facts wait on the episode and the next step reads them when it
 opens the group (``open``).
 
@@ -50,6 +50,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Protocol
 
+from april_slime.core.step_context import EpisodeCallAsked, EpisodeEnded, StepEvent
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.core.work import TrajectoryWork
 
@@ -195,7 +196,7 @@ class EpisodeRunner:
         self._reported = now
         return {**delta, "live": self.live, "given_up_in_a_row": self.given_up_in_a_row}
 
-    def _report(self, *event: Any) -> None:
+    def _report(self, event: StepEvent) -> None:
         if self.events is not None:
             self.events.put_nowait(event)
 
@@ -274,7 +275,7 @@ class EpisodeRunner:
             return
         self.counters.finished += 1
         self.given_up_in_a_row = 0
-        self._report("episode_done", episode.member)
+        self._report(EpisodeEnded(episode.member))
 
     async def call(self, episode_uid: str, request: CallRequest) -> dict:
         """A model call of episode ``episode_uid`` (from the front): pending until a step runs it,
@@ -294,7 +295,7 @@ class EpisodeRunner:
         episode.pending[uid] = call
         self.calls[uid] = call
         self._leave_tools(episode)
-        self._report("episode_call", t)
+        self._report(EpisodeCallAsked(t))
         return await call.reply
 
     def call_finished(self, t: Trajectory) -> None:
@@ -365,7 +366,7 @@ class EpisodeRunner:
             self.failing = (f"{episode.function} cannot make progress: {self.given_up_in_a_row} episodes in a row "
                             f"were given up (april_max_given_up_in_a_row={bound}); the last, "
                             f"{episode.member.uid}, because {why}")
-        self._report("episode_done", episode.member)
+        self._report(EpisodeEnded(episode.member))
 
     def _refused(self, episode: Episode, why: str) -> None:
         """The function cannot serve under the plugin: its episode is given up and the job stops."""

@@ -17,17 +17,14 @@ During a drain nothing is resubmitted and no failure ends the step: the item sta
 from __future__ import annotations
 
 import logging
-from collections import deque
-from typing import Callable
 
 from april_slime.core.calls import Call, EngineCalls
 from april_slime.core.groups import StepGroups
 from april_slime.core.health import EngineHealth, EngineWatch
 from april_slime.core.ledger import DROP_REJECTED, Place
 from april_slime.core.sglang_protocol import EngineError, RequestRejected
-from april_slime.core.step_metrics import StepCounters
+from april_slime.core.step_context import StepContext
 from april_slime.core.types import Trajectory
-from april_slime.core.work import TrajectoryWork
 
 logger = logging.getLogger(__name__)
 
@@ -44,29 +41,25 @@ class RolloutStepError(RuntimeError):
 class CallFaults:
     """One step's failed calls, per item (``failures``), and what each fault does."""
 
-    def __init__(self, *, health: EngineHealth, engines: EngineWatch, calls: EngineCalls, work: TrajectoryWork,
-                 queue: deque[Trajectory], groups: StepGroups, counters: StepCounters, max_failures: int,
-                 max_rejected_calls: int, draining: Callable[[], bool]):
+    def __init__(self, step: StepContext, *, health: EngineHealth, engines: EngineWatch, calls: EngineCalls,
+                 groups: StepGroups, max_failures: int, max_rejected_calls: int):
+        self.step = step
         self.health = health
         self.engines = engines
         self.calls = calls
-        self.work = work
-        self.queue = queue
         self.groups = groups
         self.ledger = groups.ledger
-        self.counters = counters
         self.max_failures = max_failures
         self.max_rejected_calls = max_rejected_calls
-        self.draining = draining
         self.failures: dict[str, int] = {}  # item uid -> failed calls in this step
 
     def forget_call(self, call: Call) -> None:
         """Take a call out of flight; its trajectory keeps exactly what it had before the call."""
         if self.calls.forget(call):
-            self.work.unanswered(call.item)
+            self.step.work.unanswered(call.item)
 
     def call_failed(self, call: Call, error: EngineError) -> None:
-        self.counters.engine_errors += 1
+        self.step.counters.engine_errors += 1
         self.health.exclude(call.engine_url, f"generate {call.rid} failed: {error}")
         self.engines.start_probe(call.engine_url)
         self.count_failure(call.item, f"generate {call.rid} on {call.engine_url} failed: {error}")
@@ -76,18 +69,18 @@ class CallFaults:
         just stays with its group)."""
         self.failures[t.uid] = self.failures.get(t.uid, 0) + 1
         logger.warning("%s (%d/%d)", what, self.failures[t.uid], self.max_failures + 1)
-        if self.draining():
+        if self.step.draining:
             return
         if self.failures[t.uid] > self.max_failures:
             raise RolloutStepError(f"trajectory {t.uid} failed {self.failures[t.uid]} engine calls in "
                                    f"one step (last: {what}); all groups of the step are back in "
                                    "the buffer")
-        self.queue.appendleft(t)
+        self.step.queue.appendleft(t)
 
     def rejected(self, call: Call, error: RequestRejected) -> None:
         t = call.item
         t.rejected_calls += 1
-        self.counters.rejected_calls += 1
+        self.step.counters.rejected_calls += 1
         logger.warning("generate %s refused as invalid (%d/%d): %s", call.rid, t.rejected_calls,
                        self.max_rejected_calls, error)
         if t.rejected_calls >= self.max_rejected_calls:
@@ -97,14 +90,14 @@ class CallFaults:
                 if other.item.group_uid == group.uid:
                     self.forget_call(other)
                     self.calls.abort_later(other.engine_url, other.rid)
-            bound = max(REFUSED_GROUPS_FLOOR, 4 * self.groups.target)
-            if not self.groups.accepted and self.counters.rejected_groups > bound and not self.draining():
+            bound = max(REFUSED_GROUPS_FLOOR, 4 * self.step.target)
+            if not self.groups.accepted and self.step.counters.rejected_groups > bound and not self.step.draining:
                 # every request refused: the engines (or the job's requests) are wrong, not a sample;
                 # dropping prompt after prompt would run through the dataset without end
-                raise RolloutStepError(f"{self.counters.rejected_groups} groups refused by the engines and none "
+                raise RolloutStepError(f"{self.step.counters.rejected_groups} groups refused by the engines and none "
                                        f"accepted in this step; last refusal: {error}")
-        elif not self.draining():
-            self.queue.appendleft(t)
+        elif not self.step.draining:
+            self.step.queue.appendleft(t)
 
     def evacuate(self, url: str) -> None:
         """Move every call of a stalled engine elsewhere; the engine is asked to abort them."""

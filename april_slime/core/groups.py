@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from typing import Awaitable, Callable, Protocol
 
 from april_slime.core.buffer import PartialBuffer
@@ -40,10 +39,10 @@ from april_slime.core.ledger import (
     GroupLedger,
     Place,
 )
-from april_slime.core.pacing import StalenessPacing, holds_tokens
-from april_slime.core.step_metrics import StepCounters, group_tokens
+from april_slime.core.pacing import holds_tokens
+from april_slime.core.step_context import GroupRewarded, StepContext
+from april_slime.core.step_metrics import group_tokens
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
-from april_slime.core.work import TrajectoryWork
 
 logger = logging.getLogger(__name__)
 
@@ -62,29 +61,19 @@ class PromptSource(Protocol):
 class StepGroups:
     """The groups of one ``run_step`` call, their ledger and their reward tasks."""
 
-    def __init__(self, *, buffer: PartialBuffer, prompt_source: PromptSource, current_version: int, target: int,
+    def __init__(self, step: StepContext, *, buffer: PartialBuffer, prompt_source: PromptSource,
                  n_samples_per_prompt: int, reward_fn: Callable[[Group], Awaitable[None]] | None,
-                 group_filter: Callable[[Group], bool] | None, return_surplus: bool, work: TrajectoryWork,
-                 queue: deque[Trajectory], counters: StepCounters, loop: asyncio.AbstractEventLoop,
-                 events: asyncio.Queue, recovering: Callable[[], bool], pacing: StalenessPacing):
+                 group_filter: Callable[[Group], bool] | None, return_surplus: bool):
+        self.step = step
         self.buffer = buffer
         self.prompt_source = prompt_source
-        self.current_version = current_version
-        self.target = target
         self.n_samples_per_prompt = n_samples_per_prompt
         self.reward_fn = reward_fn
         self.group_filter = group_filter
         self.return_surplus = return_surplus
-        self.work = work
-        self.queue = queue  # the step's work items waiting for a call
-        self.counters = counters
-        self.loop = loop
-        self.events = events
         self.ledger = GroupLedger()
         self.rewards: dict[str, asyncio.Task] = {}  # group uid -> its reward task (while REWARDING)
         self.exhausted = False  # the prompt source gave fewer groups than asked
-        self.recovering = recovering  # whether the step recovers: completed groups stay unjudged
-        self.pacing = pacing
         self.stale_delta: dict[str, int] = {}
         self.carried_groups = 0
 
@@ -97,15 +86,15 @@ class StepGroups:
         buffer = self.buffer
         before_counters = buffer.counters()
         before = {g.uid: g for g in buffer.groups()}
-        taken = buffer.take(len(buffer), self.current_version)
-        taken = self.pacing.protect(taken, [g for g in taken if holds_tokens(g)])
+        taken = buffer.take(len(buffer), self.step.current_version)
+        taken = self.step.pacing.protect(taken, [g for g in taken if holds_tokens(g)])
         for group in taken:
             self.ledger.move(group, to=Place.RESUME)
         self.stale_delta = {k: buffer.counters()[k] - before_counters[k] for k in before_counters}
         still_there = {g.uid for g in buffer.groups()}
         for uid in before.keys() - still_there - {g.uid for g in taken}:
             self.ledger.note_dropped(uid, DROP_STALE)
-            self.work.discard(before[uid])
+            self.step.work.discard(before[uid])
 
     def live(self) -> list[Group]:
         """The groups the staleness pacing counts: opened or holding tokens, not accepted."""
@@ -118,7 +107,7 @@ class StepGroups:
         target is met (buffered complete groups count at once) or the staleness pacing refuses the
         next group."""
         opened = 0
-        while opened < k and self.accepted < self.target:
+        while opened < k and self.accepted < self.step.target:
             group = self.ledger.first(Place.RESUME)
             resumed = group is not None
             if group is None:
@@ -127,8 +116,8 @@ class StepGroups:
                 group = self.ledger.first(Place.FRESH)
                 if group is None:
                     break
-            if self.pacing.active and not self.pacing.may_open(group, self.live(), self.accepted):
-                self.counters.pacing_held_opens += 1
+            if self.step.pacing.active and not self.step.pacing.may_open(group, self.live(), self.accepted):
+                self.step.counters.pacing_held_opens += 1
                 break
             self._open(group, resumed=resumed)
             opened += 1
@@ -137,7 +126,7 @@ class StepGroups:
     def _fetch_fresh(self, k: int) -> None:
         """Ask the prompt source for ``k`` groups; the batch is checked as a whole before any of
         it is accepted, so a bad batch is refused without half of it entering the step."""
-        groups = list(self.prompt_source.next_groups(k, self.current_version))
+        groups = list(self.prompt_source.next_groups(k, self.step.current_version))
         if len(groups) > k:
             raise ValueError(f"prompt source returned {len(groups)} groups when asked for {k}")
         uids = [g.uid for g in groups]
@@ -157,9 +146,9 @@ class StepGroups:
 
     def _open(self, group: Group, resumed: bool) -> None:
         if resumed:
-            self.counters.resumed_groups += 1
-        self.queue.extend(self.work.open_group(group))
-        if self.work.gave_up(group):
+            self.step.counters.resumed_groups += 1
+        self.step.queue.extend(self.step.work.open_group(group))
+        if self.step.work.gave_up(group):
             self.ledger.move(group, to=Place.ACTIVE)
             self.drop(group, DROP_EPISODE_FAILED)
         elif group.complete:
@@ -170,12 +159,12 @@ class StepGroups:
     # ------------------------------------------------------------------ completion
     def complete(self, group: Group) -> None:
         """All trajectories of ``group`` finished: reward it, or judge it at once."""
-        if self.recovering():
+        if self.step.recovering:
             self.ledger.move(group, to=Place.UNJUDGED)
             return
         if self.reward_fn is not None and any(t.reward is None for t in group.trajectories):
             self.ledger.move(group, to=Place.REWARDING)
-            self.rewards[group.uid] = self.loop.create_task(self._reward(group))
+            self.rewards[group.uid] = self.step.loop.create_task(self._reward(group))
         else:
             self._judge(group)
 
@@ -185,9 +174,9 @@ class StepGroups:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            self.events.put_nowait(("rewarded", group, e))
+            self.step.report(GroupRewarded(group, e))
         else:
-            self.events.put_nowait(("rewarded", group, None))
+            self.step.report(GroupRewarded(group, None))
 
     def on_rewarded(self, group: Group, error: Exception | None) -> Exception | None:
         """A reward task ended. Returns the reward function's error when it must end the step."""
@@ -198,11 +187,11 @@ class StepGroups:
             for t in group.trajectories:
                 t.reward = None
             self.ledger.move(group, to=Place.UNJUDGED)
-            if self.recovering():
+            if self.step.recovering:
                 logger.warning("reward function failed on group %s while recovering: %s", group.uid, error)
                 return None
             return error
-        if self.recovering():
+        if self.step.recovering:
             self.ledger.move(group, to=Place.UNJUDGED)
             return None
         self._judge(group)
@@ -217,24 +206,24 @@ class StepGroups:
         if not keep:
             self.drop(group, DROP_FILTERED)
             self.promote_deferred()
-        elif self.accepted >= self.target:
+        elif self.accepted >= self.step.target:
             self.ledger.move(group, to=Place.SURPLUS)
-        elif not self.pacing.active or self.pacing.may_accept(group, self.live(), self.accepted):
+        elif not self.step.pacing.active or self.step.pacing.may_accept(group, self.live(), self.accepted):
             self.ledger.move(group, to=Place.ACCEPTED)
             self.promote_deferred()
         else:
             self.ledger.move(group, to=Place.DEFERRED)
-            self.pacing.deferrals += 1
+            self.step.pacing.deferrals += 1
 
     def promote_deferred(self, force: bool = False) -> None:
         """Accept the deferred groups that fit now, tightest slack first; ``force``: accept them
         whether they fit or not (nothing else is left to run: the step must not stall on them)."""
-        for group in sorted(self.ledger.groups(Place.DEFERRED), key=self.pacing.order):
-            if self.accepted >= self.target:
+        for group in sorted(self.ledger.groups(Place.DEFERRED), key=self.step.pacing.order):
+            if self.accepted >= self.step.target:
                 return
-            if force or self.pacing.may_accept(group, self.live(), self.accepted):
+            if force or self.step.pacing.may_accept(group, self.live(), self.accepted):
                 if force:
-                    self.counters.pacing_forced_accepts += 1
+                    self.step.counters.pacing_forced_accepts += 1
                 self.ledger.move(group, to=Place.ACCEPTED)
 
     def cancel_rewards(self) -> None:
@@ -251,7 +240,7 @@ class StepGroups:
         if self.ledger.place_of(member.group_uid) is not Place.ACTIVE:
             return  # not opened in this step: the step that opens it sees the member as it is
         group = self.ledger.get(member.group_uid, Place.ACTIVE)
-        if self.work.gave_up(group):
+        if self.step.work.gave_up(group):
             self.drop(group, DROP_EPISODE_FAILED)
         elif group.complete:
             self.complete(group)
@@ -259,14 +248,14 @@ class StepGroups:
     def drop(self, group: Group, reason: str) -> None:
         """Discard ``group``, counted by its reason (its generated tokens count as discarded)."""
         self.ledger.move(group, to=Place.DROPPED, reason=reason)
-        self.work.discard(group)
-        if self.queue:  # in place: the step shares this queue
-            kept = [q for q in self.queue if q.group_uid != group.uid]
-            self.queue.clear()
-            self.queue.extend(kept)
+        self.step.work.discard(group)
+        if self.step.queue:  # in place: the step shares this queue
+            kept = [q for q in self.step.queue if q.group_uid != group.uid]
+            self.step.queue.clear()
+            self.step.queue.extend(kept)
         groups, tokens = _DROP_COUNTERS[reason]
-        setattr(self.counters, groups, getattr(self.counters, groups) + 1)
-        setattr(self.counters, tokens, getattr(self.counters, tokens) + group_tokens(group))
+        setattr(self.step.counters, groups, getattr(self.step.counters, groups) + 1)
+        setattr(self.step.counters, tokens, getattr(self.step.counters, tokens) + group_tokens(group))
         logger.info("group %s discarded: %s", group.uid, reason)
 
     # ------------------------------------------------------------------ leftovers
@@ -276,12 +265,12 @@ class StepGroups:
         self.carried_groups = self.ledger.count(Place.RESUME, Place.FRESH, Place.ACTIVE)
         for group in self.ledger.groups(Place.ACTIVE):
             group.interruptions += 1  # suspended at the target with work left
-            self.counters.suspended_groups += 1
+            self.step.counters.suspended_groups += 1
         # deferred groups passed within the target: they go back whatever return_surplus says
         for group in self.ledger.groups(Place.RESUME, Place.FRESH, Place.ACTIVE, Place.UNJUDGED,
                                         Place.DEFERRED):
             self._buffer(group)
-        self.counters.surplus_groups = self.ledger.count(Place.SURPLUS)
+        self.step.counters.surplus_groups = self.ledger.count(Place.SURPLUS)
         for group in self.ledger.groups(Place.SURPLUS):
             if self.return_surplus:
                 self._buffer(group)

@@ -27,7 +27,7 @@ from typing import Iterable
 from april_slime.core.engine import EngineClient
 from april_slime.core.policies import Policy
 from april_slime.core.sglang_protocol import EngineError
-from april_slime.core.step_metrics import StepCounters
+from april_slime.core.step_context import ConcurrencyChosen, ProbeAnswered, StepContext
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +63,11 @@ class EngineHealth:
 class EngineWatch:
     """The engines as one step sees them; lives as long as the step."""
 
-    def __init__(self, health: EngineHealth, client: EngineClient, loop: asyncio.AbstractEventLoop,
-                 events: asyncio.Queue, counters: StepCounters, *, stall_probe_after_s: float | None,
-                 probe_timeout_s: float, probe_interval_s: float):
+    def __init__(self, step: StepContext, health: EngineHealth, client: EngineClient, *,
+                 stall_probe_after_s: float | None, probe_timeout_s: float, probe_interval_s: float):
+        self.step = step
         self.health = health
         self.client = client
-        self.loop = loop
-        self.events = events
-        self.counters = counters
         self.stall_probe_after_s = stall_probe_after_s
         self.probe_timeout_s = probe_timeout_s
         self.probe_interval_s = probe_interval_s
@@ -85,13 +82,13 @@ class EngineWatch:
 
     def call_started(self, url: str) -> None:
         if self.in_flight[url] == 0:
-            self.last_activity[url] = self.loop.time()  # the stall clock starts with its first call
+            self.last_activity[url] = self.step.loop.time()  # the stall clock starts with its first call
         self.in_flight[url] += 1
 
     def call_ended(self, url: str, answered: bool) -> None:
         self.in_flight[url] -= 1
         if answered:
-            self.last_activity[url] = self.loop.time()
+            self.last_activity[url] = self.step.loop.time()
 
     def busy(self) -> list[str]:
         """Engines with requests of this step in flight."""
@@ -108,13 +105,13 @@ class EngineWatch:
 
     def until_stall_check(self) -> float | None:
         deadlines = self._stall_deadlines()
-        return max(min(deadlines.values()) - self.loop.time(), 0.0) if deadlines else None
+        return max(min(deadlines.values()) - self.step.loop.time(), 0.0) if deadlines else None
 
     def check_stalls(self) -> None:
         """An engine with requests in flight and no reply for ``stall_probe_after_s`` gets a health
         probe; if that fails too, the step moves its calls elsewhere (``on_probe``)."""
         # a millisecond of slack: a timer set for the deadline may fire a rounding error early
-        now = self.loop.time() + 1e-3
+        now = self.step.loop.time() + 1e-3
         for url, deadline in self._stall_deadlines().items():
             if now >= deadline:
                 # info, not a warning: a long response (16K tokens at a few hundred tokens/s) is
@@ -129,7 +126,7 @@ class EngineWatch:
 
     def start_probe(self, url: str) -> None:
         if url not in self.probes:
-            self.probes[url] = self.loop.create_task(self._probe_loop(url))
+            self.probes[url] = self.step.loop.create_task(self._probe_loop(url))
 
     async def _probe_loop(self, url: str) -> None:
         while True:
@@ -138,23 +135,23 @@ class EngineWatch:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                self.events.put_nowait(("probe", url, e))
+                self.step.report(ProbeAnswered(url, e))
                 await asyncio.sleep(self.probe_interval_s)
             else:
-                self.events.put_nowait(("probe", url, None))
+                self.step.report(ProbeAnswered(url, None))
                 return
 
     def on_probe(self, url: str, error: Exception | None) -> bool:
         """Handle a probe outcome; True when it found ``url`` stalled (its calls must move)."""
         if error is None:
             self.probes.pop(url, None)
-            self.last_activity[url] = self.loop.time()
+            self.last_activity[url] = self.step.loop.time()
             self.health.readmit(url)
             return False
-        self.counters.probe_failures += 1
+        self.step.counters.probe_failures += 1
         if url in self.health.excluded:
             return False
-        self.counters.stalled_engines += 1
+        self.step.counters.stalled_engines += 1
         self.health.exclude(url, f"no reply for {self.stall_probe_after_s:g} s with requests in "
                                  f"flight, and the health probe failed: {error}")
         return True
@@ -164,7 +161,7 @@ class EngineWatch:
         """Feed the engine loads to a policy that adapts to them (copris with a controller) every
         ``interval_s``; its new limit comes back as a ``("concurrency", n)`` event, so the step
         takes it between events like every other change of its state."""
-        self.poller = self.loop.create_task(self._poll_loads(policy, interval_s))
+        self.poller = self.step.loop.create_task(self._poll_loads(policy, interval_s))
 
     async def _poll_loads(self, policy: Policy, interval_s: float) -> None:
         while True:
@@ -172,12 +169,12 @@ class EngineWatch:
             try:
                 loads = await self.client.loads()
             except EngineError as e:
-                self.counters.load_poll_errors += 1
+                self.step.counters.load_poll_errors += 1
                 logger.warning("reading engine loads failed: %s", e)
                 continue
-            target = policy.observe(loads, self.loop.time())
+            target = policy.observe(loads, self.step.loop.time())
             if target != policy.in_flight_limit:
-                self.events.put_nowait(("concurrency", target))
+                self.step.report(ConcurrencyChosen(target))
 
     def stop_load_watch(self) -> None:
         if self.poller is not None:

@@ -17,12 +17,15 @@ Who owns what (each module's docstring says the rest):
 * ``april_slime.core.health``: engine health across steps; dispatch, stalls, probes and load
   polling within a step.
 * ``april_slime.core.step_metrics``: the step's counters, timeline and metrics.
+* ``april_slime.core.step_context``: what the step's parts share (``StepContext``) and the typed
+  events that change the step's state.
 
 A step runs in four phases, each a section of ``_Step`` below; the step's state (every group and
 every call of the step) lives in ``_Step`` and the objects it holds, and data flows one way:
 prompt source / buffer -> fill -> engine calls -> reply handling -> groups -> result / buffer.
-Everything that changes the step's state (replies, rewards, probe outcomes, a new N') arrives as an
-event on one queue and is handled in between, so no two changes interleave.
+Everything that changes the step's state (replies, rewards, probe outcomes, a new N', an episode's
+call or end) arrives as a typed event on one queue and is handled in between, so no two changes
+interleave.
 
 1. fill: open groups (buffer first, then fresh prompts) and submit calls, as many as the policy
    says; repeated after every batch of events, so each completion refills at once.
@@ -66,12 +69,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable
 
+from april_slime.core.adaptive import AdaptiveConcurrencyController
 from april_slime.core.buffer import PartialBuffer
-from april_slime.core.calls import Call, EngineCalls
+from april_slime.core.calls import EngineCalls
 from april_slime.core.config import AprilConfig
 from april_slime.core.engine import EngineClient
 from april_slime.core.episodes import EpisodeRunner, EpisodeWork
@@ -82,6 +85,18 @@ from april_slime.core.ledger import DROP_FILTERED, DROP_REJECTED, DROP_STALE, DR
 from april_slime.core.pacing import StalenessPacing
 from april_slime.core.policies import ConcurrencyController, make_policy
 from april_slime.core.sglang_protocol import EngineError, GenerateResult, RequestRejected
+from april_slime.core.step_context import (
+    DRAIN,
+    RECOVER,
+    CallReplied,
+    ConcurrencyChosen,
+    EpisodeCallAsked,
+    EpisodeEnded,
+    GroupRewarded,
+    ProbeAnswered,
+    StepContext,
+    StepEvent,
+)
 from april_slime.core.step_metrics import StepCounters, TimelinePoint, record, step_metrics
 from april_slime.core.types import Group, Trajectory
 from april_slime.core.work import TrajectoryWork
@@ -201,43 +216,54 @@ class RolloutScheduler:
             self._running = False
 
 
+def assemble_scheduler(config: AprilConfig, client: EngineClient, buffer: PartialBuffer, *,
+                       rollout_batch_size: int, n_samples_per_prompt: int, sampling_params: dict,
+                       controller_overrides: dict | None = None, **options) -> RolloutScheduler:
+    """The scheduler a job's settings describe, for the plugin's face and for the benchmark alike
+    (so the benchmark measures what a job runs): an adaptive copris gets its concurrency controller
+    here (``controller_overrides``: its timings, e.g. scaled to an emulated clock); ``options`` are
+    ``RolloutScheduler``'s keyword arguments."""
+    controller = None
+    if config.adaptive_concurrency and config.policy == "copris":
+        controller = AdaptiveConcurrencyController.from_config(
+            config, rollout_batch_size, n_samples_per_prompt, **(controller_overrides or {}))
+    return RolloutScheduler(config, client, buffer, rollout_batch_size=rollout_batch_size,
+                            n_samples_per_prompt=n_samples_per_prompt, sampling_params=sampling_params,
+                            controller=controller, **options)
+
+
 class _Step:
     """One ``run_step`` call: runs the work the policy asks for, in the four phases. Its groups are
-    in ``groups`` (their ledger: ``groups.ledger``), its work items waiting for a call in
-    ``queue``, its calls in ``calls``, its engines in ``engines``."""
+    in ``groups`` (their ledger: ``groups.ledger``), its calls in ``calls``, its engines in
+    ``engines``; what these share (the queue of work items waiting for a call, the counters, the
+    event queue, the phase) in ``ctx``."""
 
     def __init__(self, sched: RolloutScheduler, prompt_source: PromptSource, current_version: int):
         self.s = sched
         self.policy = sched.policy
-        self.current_version = current_version
-        self.target = sched.rollout_batch_size
-        self.loop = asyncio.get_running_loop()
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.counters = StepCounters()
-        self.work = (TrajectoryWork(sched.stop_token_ids, self.counters) if sched.episodes is None
-                     else EpisodeWork(sched.stop_token_ids, self.counters, sched.episodes))
-        self.queue: deque[Trajectory] = deque()
-        self.pacing = StalenessPacing(max_staleness=sched.buffer.max_staleness,
-                                      max_interruptions=sched.config.max_interruptions,
-                                      current_version=current_version, target=self.target)
+        loop = asyncio.get_running_loop()
+        target = sched.rollout_batch_size
+        counters = StepCounters()
+        work = (TrajectoryWork(sched.stop_token_ids, counters) if sched.episodes is None
+                else EpisodeWork(sched.stop_token_ids, counters, sched.episodes))
+        pacing = StalenessPacing(max_staleness=sched.buffer.max_staleness,
+                                 max_interruptions=sched.config.max_interruptions,
+                                 current_version=current_version, target=target)
+        self.ctx = StepContext(loop=loop, current_version=current_version, target=target, work=work,
+                               pacing=pacing, counters=counters)
         self.groups = StepGroups(
-            buffer=sched.buffer, prompt_source=prompt_source, current_version=current_version, target=self.target,
+            self.ctx, buffer=sched.buffer, prompt_source=prompt_source,
             n_samples_per_prompt=sched.n_samples_per_prompt, reward_fn=sched.reward_fn,
-            group_filter=sched.group_filter, return_surplus=sched.config.return_surplus, work=self.work,
-            queue=self.queue, counters=self.counters, loop=self.loop, events=self.events,
-            recovering=lambda: self.phase == "recover", pacing=self.pacing)
+            group_filter=sched.group_filter, return_surplus=sched.config.return_surplus)
         self.ledger = self.groups.ledger
-        self.engines = EngineWatch(sched.health, sched.client, self.loop, self.events, self.counters,
+        self.engines = EngineWatch(self.ctx, sched.health, sched.client,
                                    stall_probe_after_s=sched.stall_probe_after_s,
                                    probe_timeout_s=sched.probe_timeout_s, probe_interval_s=sched.probe_interval_s)
-        self.calls = EngineCalls(sched.client, self.engines, self.loop, self.events, self.counters,
-                                 sampling_params=sched.sampling_params, abort_timeout_s=sched.abort_timeout_s)
-        self.faults = CallFaults(health=sched.health, engines=self.engines, calls=self.calls, work=self.work,
-                                 queue=self.queue, groups=self.groups, counters=self.counters,
-                                 max_failures=sched.max_failures_per_trajectory,
-                                 max_rejected_calls=sched.max_rejected_calls, draining=lambda: self.draining)
-        # phase: "fill" until the target is met, then "drain"; "recover" after an error
-        self.phase = "fill"
+        self.calls = EngineCalls(self.ctx, sched.client, self.engines, sampling_params=sched.sampling_params,
+                                 abort_timeout_s=sched.abort_timeout_s)
+        self.faults = CallFaults(self.ctx, health=sched.health, engines=self.engines, calls=self.calls,
+                                 groups=self.groups, max_failures=sched.max_failures_per_trajectory,
+                                 max_rejected_calls=sched.max_rejected_calls)
         self.timeline: list[TimelinePoint] = []
         self.t_target: float | None = None
         sched.last_timeline = self.timeline
@@ -245,9 +271,13 @@ class _Step:
 
     @property
     def draining(self) -> bool:
-        return self.phase != "fill"
+        return self.ctx.draining
 
     # the policy's view of the step (policies.StepView)
+    @property
+    def target(self) -> int:
+        return self.ctx.target
+
     @property
     def accepted_groups(self) -> int:
         return self.ledger.count(Place.ACCEPTED)
@@ -262,11 +292,11 @@ class _Step:
 
     @property
     def calls_queued(self) -> int:
-        return len(self.queue)
+        return len(self.ctx.queue)
 
     @property
     def episodes_live(self) -> int:
-        return self.work.live_episodes
+        return self.ctx.work.live_episodes
 
     @property
     def groups_to_resume(self) -> int:
@@ -274,16 +304,16 @@ class _Step:
 
     # ================================================================== driver
     async def run(self) -> StepResult:
-        self.t0 = self.loop.time()
+        self.t0 = self.ctx.loop.time()
         if self.s.episodes is not None:
-            self.s.episodes.attach(self.events)
+            self.s.episodes.attach(self.ctx.events)
         try:
             self.groups.take_buffer()
             self.engines.probe_excluded()
             if self.policy.watches_loads:
                 self.engines.watch_loads(self.policy, self.s.load_poll_interval_s)
             await self._fill_phase()
-            self.t_target = self.loop.time() - self.t0
+            self.t_target = self.ctx.loop.time() - self.t0
             await self._drain_phase()
         except Exception as e:
             await self._recover_phase()
@@ -302,7 +332,7 @@ class _Step:
         self.groups.return_leftovers()
         self.ledger.check_settled()
         for group in self.ledger.groups(Place.ACCEPTED):
-            self.work.settle(group)
+            self.ctx.work.settle(group)
         return StepResult(groups=self.ledger.groups(Place.ACCEPTED), metrics=self._metrics(),
                           dropped=dict(self.ledger.dropped))
 
@@ -311,56 +341,54 @@ class _Step:
         Returns False when nothing arrived in time."""
         try:
             if timeout is None:
-                event = await self.events.get()
+                event = await self.ctx.events.get()
             else:
-                event = await asyncio.wait_for(self.events.get(), max(timeout, 0.0))
+                event = await asyncio.wait_for(self.ctx.events.get(), max(timeout, 0.0))
         except asyncio.TimeoutError:
             return False
         self._handle(event)
-        while not self.events.empty():
-            self._handle(self.events.get_nowait())
+        while not self.ctx.events.empty():
+            self._handle(self.ctx.events.get_nowait())
         return True
 
-    def _handle(self, event: tuple) -> None:
-        kind = event[0]
-        if kind == "reply":
-            self._on_reply(*event[1:])
-        elif kind == "rewarded":
-            group, error = event[1:]
-            if self.groups.on_rewarded(group, error) is not None:
-                raise RolloutStepError(f"reward function failed on group {group.uid}: "
-                                       f"{type(error).__name__}: {error}") from error
-        elif kind == "probe":
-            if self.engines.on_probe(*event[1:]):
-                self.faults.evacuate(event[1])
-        elif kind == "concurrency":
-            self.policy.set_limit(event[1])
-        elif kind == "episode_call":
-            item = event[1]
-            if not self.draining and self.ledger.place_of(item.group_uid) is Place.ACTIVE:
-                # (otherwise it waits on its episode for the group to open); a group that must
-                # finish in this step goes first, so the target never waits behind other work
-                if self.pacing.must_finish(self.ledger.get(item.group_uid, Place.ACTIVE)):
-                    self.queue.appendleft(item)
-                else:
-                    self.queue.append(item)
-        elif kind == "episode_done":
-            self.groups.episode_done(event[1])
-        else:  # pragma: no cover - events are produced only by the step and what it holds
-            raise AssertionError(f"unknown event {kind!r}")
+    def _handle(self, event: StepEvent) -> None:
+        match event:
+            case CallReplied(rid, result, error):
+                self._on_reply(rid, result, error)
+            case GroupRewarded(group, error):
+                if self.groups.on_rewarded(group, error) is not None:
+                    raise RolloutStepError(f"reward function failed on group {group.uid}: "
+                                           f"{type(error).__name__}: {error}") from error
+            case ProbeAnswered(url, error):
+                if self.engines.on_probe(url, error):
+                    self.faults.evacuate(url)
+            case ConcurrencyChosen(limit):
+                self.policy.set_limit(limit)
+            case EpisodeCallAsked(item):
+                if not self.draining and self.ledger.place_of(item.group_uid) is Place.ACTIVE:
+                    # (otherwise it waits on its episode for the group to open); a group that must
+                    # finish in this step goes first, so the target never waits behind other work
+                    if self.ctx.pacing.must_finish(self.ledger.get(item.group_uid, Place.ACTIVE)):
+                        self.ctx.queue.appendleft(item)
+                    else:
+                        self.ctx.queue.append(item)
+            case EpisodeEnded(member):
+                self.groups.episode_done(member)
+            case _:  # pragma: no cover - events are produced only by the step and what it holds
+                raise AssertionError(f"unknown event {event!r}")
 
     # ================================================================== phase 1: fill
     async def _fill_phase(self) -> None:
         self._fill()
-        while self.accepted_groups < self.target:
-            idle = not self.calls and not self.ledger.count(Place.REWARDING) and not self.work.busy(
+        while self.accepted_groups < self.ctx.target:
+            idle = not self.calls and not self.ledger.count(Place.REWARDING) and not self.ctx.work.busy(
                 self.ledger.groups(Place.ACTIVE))
             if idle and self.ledger.count(Place.DEFERRED):
                 self.groups.promote_deferred(force=True)  # nothing else can run: never stall on them
                 continue
             if idle:
                 raise PromptsExhausted(
-                    f"the prompt source is exhausted: {self.accepted_groups} of {self.target} "
+                    f"the prompt source is exhausted: {self.accepted_groups} of {self.ctx.target} "
                     f"groups complete and nothing left to generate")
             await self._next_events(timeout=self.engines.until_stall_check())
             self.engines.check_stalls()
@@ -372,26 +400,27 @@ class _Step:
             return
         while (k := self.policy.groups_to_open(self)) > 0 and self.groups.open(k):
             pass
-        while self.queue and self.accepted_groups < self.target and self.policy.may_submit(self):
-            self._submit(self.queue.popleft())
-        self._record(work_remaining=self.accepted_groups < self.target and (
-            bool(self.queue) or bool(self.ledger.count(Place.RESUME, Place.FRESH)) or not self.groups.exhausted))
+        while self.ctx.queue and self.accepted_groups < self.ctx.target and self.policy.may_submit(self):
+            self._submit(self.ctx.queue.popleft())
+        self._record(work_remaining=self.accepted_groups < self.ctx.target and (
+            bool(self.ctx.queue) or bool(self.ledger.count(Place.RESUME, Place.FRESH)) or not self.groups.exhausted))
 
     def _submit(self, t: Trajectory) -> None:
         """The one way work reaches an engine: the item's next call, counted and dispatched."""
-        input_ids, max_new_tokens = self.work.begin_call(t)
+        input_ids, max_new_tokens = self.ctx.work.begin_call(t)
         self.calls.start(t, input_ids, max_new_tokens)
 
     # ================================================================== phase 2: replies
-    def _on_reply(self, call: Call, result: GenerateResult | None, error: Exception | None) -> None:
-        if not self.calls.settle(call):
+    def _on_reply(self, rid: str, result: GenerateResult | None, error: Exception | None) -> None:
+        call = self.calls.settle(rid)
+        if call is None:
             return  # cancelled (drain deadline, stalled engine, dropped group); already settled
         t = call.item
         if self.ledger.place_of(t.group_uid) is Place.DROPPED:
-            self.work.unanswered(t)
+            self.ctx.work.unanswered(t)
             return
         if error is None:
-            error = self.work.absorb(t, result, self.draining)
+            error = self.ctx.work.absorb(t, result, self.draining)
         if error is None:
             self.s.health.readmit(call.engine_url)
             if t.status.finished:
@@ -399,9 +428,9 @@ class _Step:
                 if group.complete:
                     self.groups.complete(group)
             elif not self.draining:
-                self.queue.appendleft(t)  # the engine aborted on its own: resume at once
+                self.ctx.queue.appendleft(t)  # the engine aborted on its own: resume at once
             return
-        self.work.unanswered(t)
+        self.ctx.work.unanswered(t)
         if isinstance(error, RequestRejected):
             self.faults.rejected(call, error)
         elif isinstance(error, EngineError):
@@ -413,22 +442,22 @@ class _Step:
     async def _drain_phase(self) -> None:
         """Abort everything in flight and collect the replies (and pending rewards), until the
         drain deadline at most."""
-        self.phase = "drain"
-        await self._drain(self.loop.time() + self.s.drain_timeout_s)
+        self.ctx.phase = DRAIN
+        await self._drain(self.ctx.loop.time() + self.s.drain_timeout_s)
 
     async def _drain(self, deadline: float) -> None:
         self.engines.stop_load_watch()
-        self.queue.clear()
+        self.ctx.queue.clear()
         for url in self.engines.busy():
             self.calls.abort_later(url, None)
         while self.calls or self.ledger.count(Place.REWARDING):
-            left = deadline - self.loop.time()
+            left = deadline - self.ctx.loop.time()
             if left <= 0:
                 break
             try:
                 got = await self._next_events(timeout=min(left, self.s.abort_retry_interval_s))
             except Exception as e:
-                if self.phase != "recover":
+                if not self.ctx.recovering:
                     raise
                 logger.warning("ignored while recovering: %s", e)  # the clean-up must go on
                 continue
@@ -442,7 +471,7 @@ class _Step:
     def _cut_at_deadline(self) -> None:
         for call in list(self.calls.in_flight.values()):
             self.faults.forget_call(call)
-            self.counters.drain_cancelled_calls += 1
+            self.ctx.counters.drain_cancelled_calls += 1
             self.s.health.exclude(call.engine_url, f"no reply to the abort of {call.rid} within the "
                                                    f"drain deadline ({self.s.drain_timeout_s:g} s)")
         self.groups.cancel_rewards()
@@ -452,16 +481,16 @@ class _Step:
     # ================================================================== phase 4: recover
     async def _recover_phase(self) -> None:
         """After an error: drain (bounded by the drain deadline), then buffer every group."""
-        self.phase = "recover"
+        self.ctx.phase = RECOVER
         try:
-            await self._drain(self.loop.time() + self.s.drain_timeout_s)
+            await self._drain(self.ctx.loop.time() + self.s.drain_timeout_s)
         finally:
             self._settle_now()
 
     def _settle_now(self) -> None:
         """Synchronous end of a failed or cancelled step: cancel what is left and put every group
         of the step back in the buffer (aborts are sent in the background, not awaited)."""
-        self.phase = "recover"
+        self.ctx.phase = RECOVER
         busy = self.engines.busy()
         for call in list(self.calls.in_flight.values()):
             self.faults.forget_call(call)
@@ -472,16 +501,16 @@ class _Step:
 
     # ================================================================== metrics
     def _record(self, work_remaining: bool) -> None:
-        record(self.timeline, TimelinePoint(self.loop.time() - self.t0, len(self.calls),
+        record(self.timeline, TimelinePoint(self.ctx.loop.time() - self.t0, len(self.calls),
                                             self.policy.in_flight_limit, work_remaining))
 
     def _metrics(self) -> dict[str, float]:
-        return step_metrics(clock=self.loop.time, t0=self.t0, t_target=self.t_target, counters=self.counters,
+        return step_metrics(clock=self.ctx.loop.time, t0=self.t0, t_target=self.t_target, counters=self.ctx.counters,
                             stale_delta=self.groups.stale_delta, engines_excluded=len(self.s.health.excluded),
                             carried_groups=self.groups.carried_groups, buffer=self.s.buffer,
                             concurrency_limit=self.policy.in_flight_limit, timeline=self.timeline,
-                            returned=self.ledger.groups(Place.ACCEPTED), current_version=self.current_version,
-                            protected_groups=len(self.pacing.protected), deferred_groups=self.pacing.deferrals,
+                            returned=self.ledger.groups(Place.ACCEPTED), current_version=self.ctx.current_version,
+                            protected_groups=len(self.ctx.pacing.protected), deferred_groups=self.ctx.pacing.deferrals,
                             episodes=self._episode_metrics())
 
     def _episode_metrics(self) -> dict[str, float] | None:

@@ -13,11 +13,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from april_slime.core.adaptive import AdaptiveConcurrencyController
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.config import AprilConfig
 from april_slime.core.engine import EngineClient
-from april_slime.core.scheduler import RolloutScheduler
+from april_slime.core.scheduler import assemble_scheduler
 from april_slime.core.transport import HttpTransport
 from april_slime.core.types import Group
 from april_slime.workbench.emulator import EmulatorCluster, SyntheticLM, run_virtual
@@ -229,18 +228,13 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
         client = EngineClient(cluster.engine_urls, transport=transport,
                               timeout_s=1e9 if mode == "virtual" else config.request_timeout_s,
                               max_retries=config.max_retries, retry_backoff_s=0.1)
-        controller = None
-        if policy == "copris-adaptive":
-            controller = AdaptiveConcurrencyController.from_config(
-                config, workload.rollout_batch_size, workload.n_samples_per_prompt,
-                cooldown_s=10.0 / scale, settle_s=20.0 / scale)
         buffer = PartialBuffer.from_config(config)
-        scheduler = RolloutScheduler(
+        scheduler = assemble_scheduler(
             config, client, buffer, rollout_batch_size=workload.rollout_batch_size,
             n_samples_per_prompt=workload.n_samples_per_prompt,
             sampling_params=driver.sampling_params if driver else {"temperature": 1.0, "top_p": 1.0},
-            controller=controller, group_filter=_group_filter(workload),
-            episodes=driver.episodes if driver else None,
+            controller_overrides={"cooldown_s": 10.0 / scale, "settle_s": 20.0 / scale},
+            group_filter=_group_filter(workload), episodes=driver.episodes if driver else None,
             load_poll_interval_s=workload.load_poll_interval_s / scale,
             abort_retry_interval_s=1.0 / scale)
         prompts = driver.prompts if driver else SyntheticPrompts(
@@ -305,7 +299,7 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
             steps=records, timeline=timeline, capacity_tokens=spec.kv_capacity() * spec.num_engines,
             num_engines=spec.num_engines, counters=counters, warmup_steps=warmup,
             stationary=stationary,
-            concurrency_history=list(controller.history) if controller is not None else [],
+            concurrency_history=list(scheduler.controller.history) if scheduler.controller is not None else [],
             wall_s=time.perf_counter() - wall0)
     finally:
         if sampler is not None:
