@@ -30,7 +30,7 @@ def load_config(args: Any) -> AprilConfig:
     start (the data source is built when slime's rollout manager starts).
     """
     slime_compat.check_job(args)
-    config = settings.for_job(args)
+    config = settings.for_job(args).rollout
     for note in slime_compat.notes(args):
         logger.warning("april_slime: %s", note)
     if getattr(args, "rollout_max_response_len", None) is None:

@@ -10,9 +10,9 @@ Two entry points, loaded by slime from their import paths:
   so this hook implements the ``decoupled`` mode (weight = pi_old / pi_rollout, corrected); with
   ``--get-mismatch-metrics`` and without ``--use-tis`` it only reports metrics.
 
-Settings come from ``AprilConfig.from_args(args)`` (``april_is_mode``, ``april_is_level``,
-``april_is_correction``, ``april_is_low``, ``april_is_high``, ``april_loss_level``), read once per
-``args`` object. PPO clip bounds are slime's ``--eps-clip`` / ``--eps-clip-high`` / ``--eps-clip-c``.
+Settings are the job's ``LossSettings`` (``april_is_mode``, ``april_is_level``, ``april_is_correction``,
+``april_is_low``, ``april_is_high``, ``april_loss_level``; ``april_slime.settings.for_job``), read and
+checked once per ``args`` object. PPO clip bounds are slime's ``--eps-clip`` / ``--eps-clip-high`` / ``--eps-clip-c``.
 
 Layout. slime hands the loss per-sample lists. With context parallelism (CP) the log-probs,
 advantages and rollout log-probs are CP-local slices while ``loss_masks`` cover the whole response.
@@ -74,21 +74,22 @@ from typing import Any, Callable
 import torch
 
 from april_slime import settings, vcpo
-from april_slime.core.config import AprilConfig, AprilConfigError
+from april_slime.core.config import AprilConfigError
 from april_slime.core.keys import METRIC_PREFIX, OPOB_GROUP_KEY, POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
 from april_slime.training import loss_metrics, offpolicy
 from april_slime.training.baseline import OpobResult, SampleGroups, opob_policy_loss, per_sample_rewards
 from april_slime.training.loss_metrics import without_masked
 from april_slime.training.packed import PackedSamples, concat_samples, response_log_probs_from_logits
 from april_slime.training.proximal import loglinear_proximal_log_probs
+from april_slime.training.settings import LossSettings
 
 STALENESS_BUCKETS = loss_metrics.STALENESS_BUCKETS
 TokenVersions = tuple[list[torch.Tensor | None], list[int | None]]  # per-sample versions, reference versions
 
 
-def config_for(args: Any) -> AprilConfig:
-    """The job's settings (``april_slime.settings.for_job``)."""
-    return settings.for_job(args)
+def config_for(args: Any) -> LossSettings:
+    """The job's loss settings (``april_slime.settings.for_job``)."""
+    return settings.for_job(args).loss
 
 
 # ------------------------------------------------------------------------------------ layout
@@ -181,7 +182,7 @@ def token_versions(batch: dict, response_lengths: list[int]) -> TokenVersions | 
     return versions, references
 
 
-def _stale_token_weights(config: AprilConfig, mb: "SlimeMicrobatch") -> tuple[torch.Tensor, torch.Tensor] | None:
+def _stale_token_weights(config: LossSettings, mb: "SlimeMicrobatch") -> tuple[torch.Tensor, torch.Tensor] | None:
     """(weights, stale) per packed token for ``april_stale_token_lag``, or None when it is off."""
     if config.stale_token_lag is None:
         return None
@@ -268,7 +269,7 @@ def read_samples(
         total_lengths=total_lengths, versions=versions, metadata=metadata)
 
 
-def read_batch(args: Any, config: AprilConfig, batch: dict, logits: torch.Tensor) -> SlimeMicrobatch:
+def read_batch(args: Any, config: LossSettings, batch: dict, logits: torch.Tensor) -> SlimeMicrobatch:
     """``policy_loss``'s reading of slime's batch: the current log-probs and entropies from
     ``logits``, the proximal and rollout log-probs the mode needs, then ``read_samples``."""
     response_lengths = [int(n) for n in batch["response_lengths"]]
@@ -289,7 +290,7 @@ def read_batch(args: Any, config: AprilConfig, batch: dict, logits: torch.Tensor
         versions=versions, metadata=batch.get("metadata"))
 
 
-def _proximal_without_recompute(args: Any, config: AprilConfig, log_probs: list[torch.Tensor],
+def _proximal_without_recompute(args: Any, config: LossSettings, log_probs: list[torch.Tensor],
                                 rollout_log_probs: list[torch.Tensor] | None,
                                 versions: TokenVersions | None) -> list[torch.Tensor]:
     """pi_prox when slime did not recompute it (``april_slime.training.proximal``): the training
@@ -355,11 +356,6 @@ def policy_loss(
     ``ref_log_probs`` and the token versions described in the module doc.
     """
     config = config_for(args)
-    if getattr(args, "advantage_estimator", None) == "cispo":
-        raise AprilConfigError("april_is_mode: the custom loss implements PPO/GSPO objectives, not CISPO; "
-                               "use slime's policy_loss with april_slime.loss.tis instead")
-    if getattr(args, "use_opsm", False):
-        raise AprilConfigError("april_is_mode: --use-opsm is not supported by the custom loss")
     loss_level = "sequence" if getattr(args, "advantage_estimator", None) == "gspo" else config.loss_level
 
     mb = read_batch(args, config, batch, logits)

@@ -8,7 +8,7 @@ exact per-sample norms, ``april_slime.training.baseline`` for the loss side and 
 The importance-weight and ESS formulas themselves belong to ``april_slime.training.offpolicy``.
 
 This module owns what ties them to one slime job: ``VcpoRuntime`` (built from the job's
-``AprilConfig``), the settings VCPO refuses (``check_settings``), the per-step log line, the saved
+``LossSettings``), the settings VCPO refuses (``check_settings``), the per-step log line, the saved
 rho_on estimate, and the entry points (docs/vcpo.md has the exact call order inside slime's
 Megatron loop): ``before_train_step`` (``--custom-megatron-before-train-step-hook-path``) and
 ``opob_advantages`` (``--custom-advantage-function-path``); ``april_slime.loss.policy_loss`` (the
@@ -31,11 +31,12 @@ import torch.distributed as dist
 from torch import nn
 
 from april_slime import settings
-from april_slime.core.config import AprilConfig, AprilConfigError
+from april_slime.core.config import AprilConfigError
 from april_slime.core.keys import OPOB_GROUP_KEY
 from april_slime.training.baseline import OpobAccumulator, OpobOptions
 from april_slime.training.ess import EssLrScaler
 from april_slime.training.grad_norms import PerSampleGradNorms, group_active
+from april_slime.training.settings import LossSettings
 
 __all__ = [
     "STATE_FILE",
@@ -56,7 +57,7 @@ class VcpoRuntime:
     """Everything VCPO keeps for one slime training job (one per training process): the learning-rate
     rule, the baseline's accumulator, which step of which rollout runs, and the step's timing."""
 
-    def __init__(self, config: AprilConfig, *, args: Any = None, group=None) -> None:
+    def __init__(self, config: LossSettings, *, args: Any = None, group=None) -> None:
         self.config = config
         self.args = args
         self.group = group  # every rank of the job: the ESS statistics
@@ -274,7 +275,7 @@ def reset_runtime() -> None:
     _RUNTIME = None
 
 
-def check_settings(args: Any, config: AprilConfig, dp_size: int = 1) -> None:
+def check_settings(args: Any, config: LossSettings, dp_size: int = 1) -> None:
     """Refuse, in one ``AprilConfigError``, every setup the enabled VCPO controls cannot serve."""
     if not (config.vcpo_lr_scaling or config.vcpo_baseline):
         return
@@ -370,7 +371,7 @@ def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_sch
     """
     global _RUNTIME
     if _RUNTIME is None:
-        config = settings.for_job(args)
+        config = settings.for_job(args).loss
         check_settings(args, config)
         tp = dp = (0, 1, None)
         if config.vcpo_baseline:

@@ -5,7 +5,11 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from april_slime.core.config import AprilConfig, AprilConfigError, settings_table_markdown
+from april_slime.core.config import AprilConfig, AprilConfigError
+from april_slime.settings import JobSettings, check_job, for_job, settings_table_markdown
+from april_slime.training import baseline, offpolicy
+from april_slime.training import settings as loss_settings
+from april_slime.training.settings import LossSettings
 
 
 def test_defaults_are_valid():
@@ -18,7 +22,7 @@ def test_defaults_are_valid():
 def test_from_args_reads_prefixed_attributes_and_ignores_unset():
     args = SimpleNamespace(april_policy="april", april_over_sampling_factor=3, april_max_staleness=None,
                            rollout_batch_size=4)
-    config = AprilConfig.from_args(args)
+    config = JobSettings.from_args(args).rollout
     assert config.policy == "april"
     assert config.over_sampling_factor == 3.0 and isinstance(config.over_sampling_factor, float)
     assert config.max_staleness is None
@@ -30,10 +34,10 @@ def test_yaml_strings_are_coerced(tmp_path):
     path.write_text("april_policy: copris\napril_concurrency: '64'\napril_adaptive_concurrency: 'true'\n"
                     "april_is_high: 5\n")
     args = SimpleNamespace(**yaml.safe_load(path.read_text()))
-    config = AprilConfig.from_args(args)
-    assert config.concurrency == 64
-    assert config.adaptive_concurrency is True
-    assert config.is_high == 5.0
+    job = JobSettings.from_args(args)
+    assert job.rollout.concurrency == 64
+    assert job.rollout.adaptive_concurrency is True
+    assert job.loss.is_high == 5.0
 
 
 @pytest.mark.parametrize(
@@ -55,7 +59,7 @@ def test_yaml_strings_are_coerced(tmp_path):
 )
 def test_bad_values_fail_with_one_line_naming_the_key(values, key):
     with pytest.raises(AprilConfigError) as err:
-        AprilConfig.from_dict(values)
+        JobSettings.from_dict(values)
     message = str(err.value)
     assert message.startswith(key + ":")
     assert "\n" not in message
@@ -67,8 +71,7 @@ def test_cross_checks_with_slime_args():
         config.check_against_slime(SimpleNamespace(rollout_batch_size=8, n_samples_per_prompt=8))
     config.check_against_slime(SimpleNamespace(rollout_batch_size=8, n_samples_per_prompt=4))
     with pytest.raises(AprilConfigError, match="april_is_mode"):
-        AprilConfig.from_dict({"is_mode": "decoupled"}).check_against_slime(
-            SimpleNamespace(use_rollout_logprobs=True))
+        check_job(SimpleNamespace(use_rollout_logprobs=True), JobSettings.from_dict({"is_mode": "decoupled"}))
     # the live-episode cap holds whole groups: below one group nothing could ever open
     capped = AprilConfig.from_dict({"max_live_episodes": 6})
     with pytest.raises(AprilConfigError, match=r"april_max_live_episodes: must be >= n_samples_per_prompt \(8\)"):
@@ -77,8 +80,8 @@ def test_cross_checks_with_slime_args():
 
 
 def test_round_trip_and_table_lists_every_key():
-    config = AprilConfig.from_dict({"policy": "sync", "max_staleness": 2})
-    assert AprilConfig.from_dict(config.to_dict(prefixed=True)) == config
+    config = JobSettings.from_dict({"policy": "sync", "max_staleness": 2, "is_high": 3.0})
+    assert JobSettings.from_dict(config.to_dict(prefixed=True)) == config
     table = settings_table_markdown()
     for key in config.to_dict(prefixed=True):
         assert f"`{key}`" in table
@@ -117,7 +120,7 @@ def _args_from_yaml(tmp_path, text, **slime_args):
 ])
 def test_a_misspelled_or_unprefixed_key_stops_the_job_naming_the_closest(tmp_path, text, key, closest):
     with pytest.raises(AprilConfigError) as err:
-        AprilConfig.from_args(_args_from_yaml(tmp_path, text))
+        JobSettings.from_args(_args_from_yaml(tmp_path, text))
     message = str(err.value)
     assert message.startswith(f"{key}:") and message.endswith(closest) and "\n" not in message
 
@@ -125,30 +128,30 @@ def test_a_misspelled_or_unprefixed_key_stops_the_job_naming_the_closest(tmp_pat
 def test_an_unknown_april_attribute_stops_the_job_also_without_a_yaml():
     # set by a launcher or an extra-args provider rather than the custom YAML
     with pytest.raises(AprilConfigError, match=r"^april_polcy: unknown setting; closest valid name: april_policy$"):
-        AprilConfig.from_args(SimpleNamespace(april_polcy="april"))
+        JobSettings.from_args(SimpleNamespace(april_polcy="april"))
 
 
 def test_slimes_own_args_and_users_own_yaml_keys_pass(tmp_path):
     text = ("april_policy: april\nrollout_temperature: 0.7\nreward_model_url: http://rm\n"
             "my_reward_threshold: 0.5\ntimeout: 30\n")
-    config = AprilConfig.from_args(_args_from_yaml(tmp_path, text))
+    config = JobSettings.from_args(_args_from_yaml(tmp_path, text)).rollout
     assert config.policy == "april"
 
 
 def test_an_unreadable_custom_yaml_still_checks_april_attributes(tmp_path):
     args = SimpleNamespace(custom_config_path=str(tmp_path / "gone.yaml"), policy="april")
-    assert AprilConfig.from_args(args).policy == "copris"  # cannot know `policy` came from the YAML
+    assert JobSettings.from_args(args).rollout.policy == "copris"  # cannot know `policy` came from the YAML
     args.april_polcy = "april"
     with pytest.raises(AprilConfigError, match="^april_polcy:"):
-        AprilConfig.from_args(args)
+        JobSettings.from_args(args)
 
 
 # ------------------------------------------------------------------ absurd values and impossible combinations
 def test_an_empty_setting_in_the_yaml_stops_the_job(tmp_path):
     with pytest.raises(AprilConfigError, match=r"^april_policy: must not be empty$"):
-        AprilConfig.from_args(_args_from_yaml(tmp_path, "april_policy:\n"))
+        JobSettings.from_args(_args_from_yaml(tmp_path, "april_policy:\n"))
     # an optional setting left empty is unset, as documented
-    assert AprilConfig.from_args(_args_from_yaml(tmp_path, "april_max_staleness:\n")).max_staleness is None
+    assert JobSettings.from_args(_args_from_yaml(tmp_path, "april_max_staleness:\n")).rollout.max_staleness is None
 
 
 @pytest.mark.parametrize("values, key", [
@@ -171,14 +174,14 @@ def test_an_empty_setting_in_the_yaml_stops_the_job(tmp_path):
 ])
 def test_absurd_values_and_impossible_combinations_are_refused_by_name(values, key):
     with pytest.raises(AprilConfigError) as err:
-        AprilConfig.from_dict(values)
+        JobSettings.from_dict(values)
     assert str(err.value).startswith(key + ":") and "\n" not in str(err.value)
 
 
 def test_sane_edges_pass():
-    AprilConfig.from_dict({"vcpo_lr_scale_max": 10.0, "max_retries": 20, "retry_backoff_s": 0.05,
+    JobSettings.from_dict({"vcpo_lr_scale_max": 10.0, "max_retries": 20, "retry_backoff_s": 0.05,
                            "over_sampling_factor": 100.0, "request_timeout_s": 86400.0})
-    AprilConfig.from_dict({"adaptive_concurrency": True, "concurrency": 64, "min_concurrency": 8,
+    JobSettings.from_dict({"adaptive_concurrency": True, "concurrency": 64, "min_concurrency": 8,
                            "max_concurrency": 512})
 
 
@@ -186,16 +189,45 @@ def test_vcpo_settings_imply_vcpos_objective_unless_set():
     """VCPO's rules are derived for sequence-level importance weights truncated at 8 (the baseline
     also for copris's estimator): its settings make that the objective where the job does not
     choose one, and keep what the job sets."""
-    plain = AprilConfig.from_dict({})
+    plain = JobSettings.from_dict({}).loss
     assert (plain.is_mode, plain.is_level, plain.is_high) == ("decoupled", "token", 2.0)
-    lr = AprilConfig.from_dict({"vcpo_lr_scaling": True})
+    lr = JobSettings.from_dict({"vcpo_lr_scaling": True}).loss
     assert (lr.is_mode, lr.is_level, lr.is_correction, lr.is_high) == ("decoupled", "sequence", "truncate", 8.0)
-    both = AprilConfig.from_dict({"april_vcpo_baseline": True, "april_vcpo_lr_scaling": True})
+    both = JobSettings.from_dict({"april_vcpo_baseline": True, "april_vcpo_lr_scaling": True}).loss
     assert (both.is_mode, both.is_level, both.is_high) == ("copris", "sequence", 8.0)
-    chosen = AprilConfig.from_dict({"vcpo_lr_scaling": True, "is_level": "token", "is_high": 2.0})
+    chosen = JobSettings.from_dict({"vcpo_lr_scaling": True, "is_level": "token", "is_high": 2.0}).loss
     assert (chosen.is_level, chosen.is_high) == ("token", 2.0)
-    off = AprilConfig.from_dict({"vcpo_lr_scaling": False})
+    off = JobSettings.from_dict({"vcpo_lr_scaling": False}).loss
     assert (off.is_level, off.is_high) == ("token", 2.0)
     # as slime hands them over: the attributes the job set
-    from_args = AprilConfig.from_args(SimpleNamespace(april_vcpo_baseline=True))
+    from_args = JobSettings.from_args(SimpleNamespace(april_vcpo_baseline=True)).loss
     assert (from_args.is_mode, from_args.is_level, from_args.is_high) == ("copris", "sequence", 8.0)
+
+
+# ------------------------------------------------------------------ settings by wing, checked once per job
+def test_each_setting_has_one_wing_and_the_training_wing_checks_its_own_vocabulary():
+    rollout = {f for f in AprilConfig.__dataclass_fields__}
+    loss = LossSettings.names()
+    assert rollout and loss and not rollout & loss
+    assert set(JobSettings.from_dict({}).to_dict()) == rollout | loss
+    # the loss functions accept exactly the values the settings accept (one definition)
+    assert offpolicy.IS_MODES is loss_settings.IS_MODES and offpolicy.LOSS_LEVELS is loss_settings.LOSS_LEVELS
+    assert baseline.VCPO_BASELINE_SCOPES is loss_settings.VCPO_BASELINE_SCOPES
+    with pytest.raises(AprilConfigError, match="^april_is_mode: must be one of on_policy, copris, decoupled"):
+        JobSettings.from_dict({"is_mode": "clipped"})
+    with pytest.raises(AprilConfigError, match="^april_is_mode: not a rollout setting$"):
+        AprilConfig.from_dict({"is_mode": "copris"})  # the rollout's settings alone do not take the loss's
+
+
+@pytest.mark.parametrize("slime_args, message", [
+    (dict(advantage_estimator="cispo"), "^april_is_mode: the custom loss implements PPO/GSPO objectives, not CISPO"),
+    (dict(use_opsm=True), "^april_is_mode: --use-opsm is not supported by the custom loss$"),
+])
+def test_what_the_custom_loss_cannot_serve_is_refused_when_the_job_first_asks_for_its_settings(slime_args, message):
+    args = SimpleNamespace(loss_type="custom_loss", custom_loss_function_path="april_slime.loss.policy_loss",
+                           april_is_mode="copris", **slime_args)
+    with pytest.raises(AprilConfigError, match=message):
+        for_job(args)
+    # with slime's own loss (april_slime.loss.tis as its TIS hook) the same arguments are served
+    args.custom_loss_function_path = None
+    assert for_job(args).loss.is_mode == "copris"

@@ -20,6 +20,7 @@ def make_args(**overrides):
         use_rollout_logprobs=False, use_tis=False, get_mismatch_metrics=False, rollout_top_p=1.0,
         april_is_mode="decoupled", april_is_level="token", april_is_correction="truncate", april_is_low=0.0,
         april_is_high=1.3, april_loss_level="token",
+        loss_type="custom_loss", custom_loss_function_path="april_slime.loss.policy_loss",  # as a job names it
     )
     values.update(overrides)
     return Namespace(**values)

@@ -116,7 +116,7 @@ def test_packing_split_sum_mean_max_handle_empty_samples():
 
 
 # ---------------------------------------------------------------------------------- levels
-@pytest.mark.parametrize("level", op.LEVELS)
+@pytest.mark.parametrize("level", op.IS_LEVELS)
 def test_level_log_weights_match_loop(level):
     lp, old, roll, _, mask = make_batch(LENGTHS, seed=1)
     mask[:5] = 0  # first sample fully masked
@@ -173,7 +173,7 @@ def test_correction_with_extreme_log_ratios_stays_finite():
 
 # ------------------------------------------------------------------------------ objectives
 CASES = [(mode, level, corr, loss_level)
-         for mode in op.MODES for level in op.LEVELS for corr in op.CORRECTIONS for loss_level in op.LOSS_LEVELS
+         for mode in op.IS_MODES for level in op.IS_LEVELS for corr in op.IS_CORRECTIONS for loss_level in op.LOSS_LEVELS
          if not (mode == "on_policy" and (level != "token" or corr != "none"))]
 
 
@@ -238,8 +238,8 @@ def test_gradcheck(mode, level, correction, loss_level):
     assert torch.autograd.gradcheck(f, (lp.detach().clone().requires_grad_(True),), eps=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("level", op.LEVELS)
-@pytest.mark.parametrize("correction", op.CORRECTIONS)
+@pytest.mark.parametrize("level", op.IS_LEVELS)
+@pytest.mark.parametrize("correction", op.IS_CORRECTIONS)
 @pytest.mark.parametrize("loss_level", op.LOSS_LEVELS)
 def test_decoupled_reduces_to_ppo_when_proximal_equals_behaviour(level, correction, loss_level):
     lp, old, _, adv, mask = make_batch(LENGTHS, seed=7, drift=0.2)
@@ -251,7 +251,7 @@ def test_decoupled_reduces_to_ppo_when_proximal_equals_behaviour(level, correcti
     assert decoupled.is_weight.eq(1).all()
 
 
-@pytest.mark.parametrize("level", op.LEVELS)
+@pytest.mark.parametrize("level", op.IS_LEVELS)
 @pytest.mark.parametrize("loss_level", op.LOSS_LEVELS)
 def test_copris_reduces_to_on_policy_ppo_when_rollout_equals_old(level, loss_level):
     lp, old, _, adv, mask = make_batch(LENGTHS, seed=8, drift=0.05)
@@ -303,8 +303,8 @@ def test_extreme_log_ratios_give_finite_loss_and_gradient():
     roll = torch.tensor([-500.0, -0.1, 400.0])
     adv = torch.tensor([-1.0, 1.0, 1.0])
     for mode in ("copris", "decoupled"):
-        for level in op.LEVELS:
-            for correction in op.CORRECTIONS:
+        for level in op.IS_LEVELS:
+            for correction in op.IS_CORRECTIONS:
                 obj = op.policy_objective(lp, lp.detach(), roll, adv, torch.ones(3), packing, mode=mode,
                                           is_level=level, correction=correction)
                 loss = op.reduce_loss(obj.loss, torch.ones(3), packing)

@@ -594,9 +594,9 @@ def test_launcher_vcpo_configuration_runs_the_baseline(mode, tmp_path):
                            micro_batch_size=int(flags["micro_batch_size"]), use_dynamic_batch_size=False,
                            n_samples_per_prompt=int(flags["n_samples_per_prompt"]),
                            global_batch_size=int(flags["global_batch_size"]))
-    from april_slime.core.config import AprilConfig
+    from april_slime.settings import JobSettings
 
-    config = AprilConfig.from_args(args)
+    config = JobSettings.from_args(args).loss
     assert config.vcpo_baseline and config.vcpo_lr_scaling and config.vcpo_baseline_scope == "group"
     assert config.is_high == 8.0 and config.vcpo_rho_on == 1.0
     vcpo.check_settings(args, config, dp_size=4)  # nothing refused

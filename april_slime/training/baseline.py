@@ -36,11 +36,10 @@ from torch import nn
 
 from april_slime.training import offpolicy
 from april_slime.training.grad_norms import PerSampleGradNorms, group_active
+from april_slime.training.settings import VCPO_BASELINE_SCOPES, VCPO_BASELINE_WEIGHTS
 
 __all__ = ["OpobAccumulator", "OpobOptions", "OpobResult", "SampleGroups", "opob_policy_loss", "weighted_mean"]
 
-SCOPES = ("group", "global")
-WEIGHTS = ("released", "paper")
 MIN_REWARD_STD = 1e-8
 
 
@@ -58,10 +57,10 @@ class OpobOptions:
     high: float = 8.0
 
     def __post_init__(self) -> None:
-        if self.scope not in SCOPES:
-            raise ValueError(f"OPOB scope must be one of {SCOPES}, got {self.scope!r}")
-        if self.weights not in WEIGHTS:
-            raise ValueError(f"OPOB weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.scope not in VCPO_BASELINE_SCOPES:
+            raise ValueError(f"OPOB scope must be one of {VCPO_BASELINE_SCOPES}, got {self.scope!r}")
+        if self.weights not in VCPO_BASELINE_WEIGHTS:
+            raise ValueError(f"OPOB weights must be one of {VCPO_BASELINE_WEIGHTS}, got {self.weights!r}")
 
 
 @dataclass(frozen=True)

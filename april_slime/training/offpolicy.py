@@ -46,12 +46,10 @@ from typing import Sequence
 
 import torch
 
+from april_slime.training.settings import IS_CORRECTIONS, IS_LEVELS, IS_MODES, LOSS_LEVELS
+
 LOG_RATIO_BOUND = 20.0
 
-MODES = ("on_policy", "copris", "decoupled")
-LEVELS = ("token", "sequence", "geometric")
-CORRECTIONS = ("none", "truncate", "mask")
-LOSS_LEVELS = ("token", "sequence")
 
 
 class NonFiniteLogProbError(ValueError):
@@ -217,7 +215,7 @@ def level_log_weights(level: str, log_ratio: torch.Tensor, packing: Packing, mas
         return packing.expand(sequence_log_weights(log_ratio, packing, mask))
     if level == "geometric":
         return packing.expand(geometric_log_weights(log_ratio, packing, mask))
-    raise ValueError(f"is_level must be one of {', '.join(LEVELS)}; got {level!r}")
+    raise ValueError(f"is_level must be one of {', '.join(IS_LEVELS)}; got {level!r}")
 
 
 @dataclass
@@ -254,7 +252,7 @@ def correct_log_weights(log_weights: torch.Tensor, correction: str, low: float, 
     if correction == "mask":
         inside = (weights >= low) & (weights <= high)
         return Correction(torch.where(inside, weights, zeros), inside.to(weights.dtype), zeros)
-    raise ValueError(f"is_correction must be one of {', '.join(CORRECTIONS)}; got {correction!r}")
+    raise ValueError(f"is_correction must be one of {', '.join(IS_CORRECTIONS)}; got {correction!r}")
 
 
 # ------------------------------------------------------------------------------------- objectives
@@ -320,8 +318,8 @@ def policy_objective(
     ``rollout_log_probs`` may be None only in ``on_policy`` mode (then the behaviour diagnostics
     are zero).
     """
-    if mode not in MODES:
-        raise ValueError(f"is_mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode not in IS_MODES:
+        raise ValueError(f"is_mode must be one of {', '.join(IS_MODES)}; got {mode!r}")
     if loss_level not in LOSS_LEVELS:
         raise ValueError(f"loss_level must be one of {', '.join(LOSS_LEVELS)}; got {loss_level!r}")
     if rollout_log_probs is None and mode != "on_policy":

@@ -12,7 +12,7 @@ def _settings(argv: list[str]) -> int:
         prog="april-slime settings",
         description="Print every plugin setting (april_* keys) as a Markdown table.")
     parser.parse_args(argv)
-    from april_slime.core.config import settings_table_markdown
+    from april_slime.settings import settings_table_markdown
 
     print(settings_table_markdown())
     return 0

@@ -21,7 +21,8 @@ except ImportError as e:  # one line, as the real tier reports what it could not
     pytest.skip(f"real slime is not importable ({e})", allow_module_level=True)
 
 from april_slime import rollout  # noqa: E402
-from april_slime.core.config import AprilConfigError, check_keys  # noqa: E402
+from april_slime.core.config import AprilConfigError  # noqa: E402
+from april_slime.settings import check_keys  # noqa: E402
 from tests.support import child_process_kwargs, slime_standin  # noqa: E402
 from tests.support.save_kill import kill_and_restart  # noqa: E402
 from tests.support.slime_jobs import make_args, restart_from_n_loses_and_repeats_nothing  # noqa: E402
