@@ -173,7 +173,8 @@ def test_correction_with_extreme_log_ratios_stays_finite():
 
 # ------------------------------------------------------------------------------ objectives
 CASES = [(mode, level, corr, loss_level)
-         for mode in op.IS_MODES for level in op.IS_LEVELS for corr in op.IS_CORRECTIONS for loss_level in op.LOSS_LEVELS
+         for mode in op.IS_MODES for level in op.IS_LEVELS for corr in op.IS_CORRECTIONS
+         for loss_level in op.LOSS_LEVELS
          if not (mode == "on_policy" and (level != "token" or corr != "none"))]
 
 
