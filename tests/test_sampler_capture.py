@@ -182,3 +182,26 @@ def test_a_040_sample_gets_the_rows_in_slimes_shapes_and_gives_them_back(monkeyp
         put_replay(sample_cls(tokens=[1, 2, 3, 4, 10, 11, 12], response_length=3),
                    TokenReplay(topk=K, topk_ids=t.replay.topk_ids[:2 * K * 4],
                                topk_log_probs=t.replay.topk_log_probs[:2 * K * 4]), spec, t.uid)
+
+
+def test_engines_without_the_sampler_top_k_stop_the_first_step(slime_mode, monkeypatch, tmp_path):
+    """The emulated engines do not answer ``top_logprobs_num``: a score-centering job says so
+    before any prompt is taken, naming the key."""
+    from april_slime import rollout
+    from april_slime.core.config import AprilConfigError
+    from tests.support.slime_jobs import Cluster, make_args, point_at
+
+    with_040_fields(monkeypatch)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Q{i}", "label": str(i)}) + "\n" for i in range(20)))
+    cluster = Cluster()
+    try:
+        a = point_at(make_args(tmp_path, prompts, use_score_centering=True, score_centering_top_k=K), cluster)
+        source = rollout.AprilDataSource(a)
+        with pytest.raises(AprilConfigError, match=r"^use_score_centering: the rollout engines do not return .*"
+                                                   r"top_logprobs_num=3"):
+            rollout.generate_rollout(a, 0, source)
+        assert len(source.buffer) == 0
+    finally:
+        rollout.shutdown()
+        cluster.stop()
