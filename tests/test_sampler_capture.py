@@ -146,6 +146,9 @@ def test_top_p_log_probs_pair_with_the_kept_ids_across_segments():
     loaded = Trajectory.from_dict(json.loads(json.dumps(t.to_dict(), default=lambda b: base64.b64encode(
         b).decode())))
     assert loaded.replay == t.replay
+    t.truncate(2)
+    assert list(float32_values(t.replay.top_p_log_probs)) == pytest.approx([-1.2, -2.5, -1.2, -2.5])
+    assert t.replay.covers(TOP_P, 4, 2) is None
     bad = top_p_reply([13], 2)
     del bad["meta_info"]["top_p_log_probs"]
     with pytest.raises(EngineReplyError, match="top_p_log_probs"):
