@@ -194,9 +194,9 @@ class _Runtime:
         self.scheduler = self._build_scheduler()
 
     async def _check_replay_support(self, client: Any) -> None:
-        """A job that replays routed experts or top-p kept ids needs engines that return them: one
-        one-token call per set of engines says so before any work, instead of a failed call per
-        request. An engine that cannot stops the job with one line naming the key."""
+        """A job that replays routed experts, top-p kept ids or the sampler's top-k needs engines that
+        return them: one one-token call per set of engines says so before any work, instead of a
+        failed call per request. An engine that cannot stops the job with one line naming the key."""
         spec = self.codec.replay
         if not spec.active:
             return
@@ -207,7 +207,10 @@ class _Runtime:
             await client.generate(url, [0], max_new_tokens=1, rid=f"april-replay-check-{uuid.uuid4().hex}",
                                   sampling_params=sampling_params(self.args), sampling_seed=0)
         except EngineReplyError as e:
-            key = "use_rollout_routing_replay" if "routed_experts" in str(e) else "rollout_top_p"
+            text = str(e)
+            key = ("use_rollout_routing_replay" if "routed_experts" in text else
+                   "use_score_centering" if "score centering" in text or "top_logprobs_num" in text else
+                   "rollout_top_p")
             raise AprilConfigError(f"{key}: the rollout engines do not return what training replays: {e}") from None
 
     def _build_scheduler(self):

@@ -10,8 +10,10 @@ Each sample carries its per-token policy versions (``TOKEN_VERSIONS_KEY``, run-l
 the policy version of the step it trains in (``POLICY_VERSION_KEY``) in ``train_metadata`` and
 ``metadata``, where the loss reads them (``april_slime.core.keys``). What slime's trainer replays
 (``rollout_routed_experts`` with ``--use-rollout-routing-replay``, ``rollout_top_p_token_ids`` /
-``_offsets`` with ``--rollout-top-p`` < 1) comes from the trajectory's ``TokenReplay``, stitched
-over its segments (``april_slime.core.replay``), in the shapes slime's own ``Sample`` code makes.
+``_offsets`` with ``--rollout-top-p`` < 1; with slime 0.4.0's ``--use-score-centering`` also
+``rollout_top_p_log_probs``, or ``rollout_topk_token_ids`` / ``rollout_topk_log_probs`` at top-p 1)
+comes from the trajectory's ``TokenReplay``, stitched over its segments (``april_slime.core.replay``),
+in the shapes slime's own ``Sample`` code makes.
 """
 
 from __future__ import annotations
@@ -104,7 +106,39 @@ def replay_spec(args: Any) -> ReplaySpec:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise AprilConfigError(f"use_rollout_routing_replay: needs {key} (slime's model arguments) as an "
                                        f"integer >= 1 to read the engines' routed experts, got {value!r}")
-    return ReplaySpec(routed_layers=layers, routed_topk=topk, top_p=top_p < 1.0)
+    top_p_log_probs, sampler_topk = sampler_capture(args, top_p)
+    return ReplaySpec(routed_layers=layers, routed_topk=topk, top_p=top_p < 1.0, top_p_log_probs=top_p_log_probs,
+                      topk=sampler_topk)
+
+
+TOP_P_LOG_PROBS_FIELD = "rollout_top_p_log_probs"
+TOPK_FIELDS = ("rollout_topk_token_ids", "rollout_topk_log_probs")
+
+
+def sampler_capture(args: Any, top_p: float) -> tuple[bool, int]:
+    """What slime 0.4.0's score centering trains on (``slime/utils/score_centering.py``): at top-p < 1
+    the nucleus with the sampler's log-probs of its ids, else the sampler's top-k of every token.
+    (False, 0) when the job does not ask, or when the installed slime's ``Sample`` has no field for
+    it (the pinned slime has neither the arguments nor the fields)."""
+    if not getattr(args, "use_score_centering", False):
+        return False, 0
+    if top_p < 1.0:
+        return sample_declares(TOP_P_LOG_PROBS_FIELD), 0
+    if not sample_declares(*TOPK_FIELDS):
+        return False, 0
+    k = getattr(args, "score_centering_top_k", None)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise AprilConfigError(f"score_centering_top_k: must be an integer >= 1, got {k!r}")
+    return False, k
+
+
+def sample_declares(*names: str) -> bool:
+    """Whether the installed slime's ``Sample`` declares every one of ``names`` as a field."""
+    try:
+        fields = getattr(slime_attr("slime.utils.types", "Sample"), "__dataclass_fields__", {})
+    except ImportError:
+        return False
+    return all(name in fields for name in names)
 
 
 def _le_int32(value: Any) -> bytearray:
@@ -117,6 +151,18 @@ def _int32_tensor(raw: bytes | bytearray | None) -> Any:
     import torch
 
     return torch.frombuffer(bytearray(raw), dtype=torch.int32) if raw else torch.zeros(0, dtype=torch.int32)
+
+
+def _float32_tensor(raw: bytes | bytearray | None) -> Any:
+    import torch
+
+    return torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.zeros(0, dtype=torch.float32)
+
+
+def _le_float32(value: Any) -> bytearray:
+    import torch
+
+    return bytearray(torch.as_tensor(value, dtype=torch.float32).reshape(-1).numpy().astype("<f4").tobytes())
 
 
 def put_replay(s: Any, replay: TokenReplay | None, spec: ReplaySpec, uid: str) -> None:
@@ -135,6 +181,11 @@ def put_replay(s: Any, replay: TokenReplay | None, spec: ReplaySpec, uid: str) -
 
         s.rollout_top_p_token_ids = _int32_tensor(replay.top_p_ids)
         s.rollout_top_p_token_offsets = torch.tensor(replay.top_p_offsets(), dtype=torch.int32)
+    if spec.top_p_log_probs:
+        s.rollout_top_p_log_probs = _float32_tensor(replay.top_p_log_probs)
+    if spec.topk:
+        s.rollout_topk_token_ids = _int32_tensor(replay.topk_ids).reshape(-1, spec.topk)
+        s.rollout_topk_log_probs = _float32_tensor(replay.topk_log_probs).reshape(-1, spec.topk)
 
 
 def take_replay(s: Any, spec: ReplaySpec) -> TokenReplay | None:
@@ -161,6 +212,15 @@ def take_replay(s: Any, spec: ReplaySpec) -> TokenReplay | None:
         if not offsets or offsets[0] != 0 or min(counts, default=0) < 0 or offsets[-1] * INT32 != len(
                 replay.top_p_ids):
             raise ValueError("rollout_top_p_token_offsets do not split rollout_top_p_token_ids")
+        if spec.top_p_log_probs and getattr(s, TOP_P_LOG_PROBS_FIELD, None) is not None:
+            replay.top_p_log_probs = _le_float32(s.rollout_top_p_log_probs)
+    ids, log_probs = (getattr(s, name, None) for name in TOPK_FIELDS)
+    if spec.topk and ids is not None and log_probs is not None:
+        ids, log_probs = torch.as_tensor(ids, dtype=torch.int32), torch.as_tensor(log_probs, dtype=torch.float32)
+        if ids.ndim != 2 or ids.shape[1] != spec.topk or log_probs.shape != ids.shape:
+            raise ValueError(f"rollout_topk_token_ids {tuple(ids.shape)} / rollout_topk_log_probs "
+                             f"{tuple(log_probs.shape)}, expected (*, {spec.topk}) both")
+        replay.topk, replay.topk_ids, replay.topk_log_probs = spec.topk, _le_int32(ids), _le_float32(log_probs)
     return replay
 
 

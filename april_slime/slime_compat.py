@@ -8,10 +8,16 @@ The plugin is built and tested against slime at the pinned commit (624b824a8, ve
   ``state_dict`` that now also saves slime's own buffer): resolved here, both work;
 * ``train_async.py``, ``--update-weights-interval`` and ``--disable-rollout-global-dataset`` are
   gone: the plugin reads none of them;
-* ``--rollout-data-transport straw``: a durable queue of rollout groups with its own order
-  (finished, then partial, then new) and its own checkpoint of pending work. The plugin's data
-  source holds the partial groups and saves them with every checkpoint; under straw both would own
-  them (saved twice, resumed twice). Refused at start;
+* ``--rollout-data-transport straw``: slime's durable queue (``slime/data/queue_data_source.py``,
+  ``RolloutQueueController``) hands prompts and partial continuations out as leased tasks, takes
+  each group back as the completion of the lease it was generated under
+  (``slime/data/transport.py``, ``pack_rollout_group``: one lease across a group's samples) and
+  checkpoints the pending continuations itself. The plugin's data source keeps partial groups
+  across steps in its own buffer and checkpoint, and returns a group in whatever later step it
+  finishes: a partial would be owned, saved and resumed by both, and a late group would complete
+  a lease long expired. The samples are not the obstacle: everything the plugin puts on them
+  passes straw's codec (``slime/data/codec.py``; ``tests/test_straw_codec_rules.py``). Refused at
+  start;
 * ``--buffer-sort-by-staleness`` orders slime's in-memory buffer, which the plugin's data source
   replaces: it would be ignored. Refused at start, naming the plugin's equivalent
   (``april_resume_priority: stalest``);
@@ -82,8 +88,11 @@ def check_job(args: Any) -> None:
     if getattr(args, "rollout_data_transport", None) == "straw":
         raise AprilConfigError(
             f"rollout_data_transport: {_label()} with --rollout-data-transport straw is not supported by "
-            "april_slime: straw's durable queue and the plugin's data source would both own the partial "
-            "groups (saved and resumed twice); use the default object-store transport")
+            "april_slime: straw's durable queue hands prompts and partial continuations out as leased tasks, "
+            "takes each group back as the completion of its lease and checkpoints pending continuations "
+            "itself, while the plugin's data source keeps partial groups across steps in its own buffer and "
+            "checkpoint, so a partial would be saved and resumed by both and a group finished steps later "
+            "would complete an expired lease; use the default object-store transport")
     if getattr(args, "buffer_sort_by_staleness", False):
         raise AprilConfigError(
             f"buffer_sort_by_staleness: {_label()}'s --buffer-sort-by-staleness sorts slime's own buffer, "

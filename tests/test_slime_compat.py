@@ -85,6 +85,7 @@ def test_newer_slime_layout_is_detected_and_its_data_source_resolved(newer_slime
     straw, staleness = out["refusals"]
     assert straw.startswith("rollout_data_transport: slime 0.4.0 with --rollout-data-transport straw is not "
                             "supported") and "\n" not in straw
+    assert "leased tasks" in straw and "saved and resumed by both" in straw
     assert staleness.startswith("buffer_sort_by_staleness: slime 0.4.0's --buffer-sort-by-staleness")
     assert "april_resume_priority: stalest" in staleness
 

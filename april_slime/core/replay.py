@@ -10,13 +10,23 @@ Two kinds, as SGLang returns them and slime's ``Sample`` keeps them:
 * **top-p kept token ids** (``--rollout-top-p`` < 1, with slime's SGLang top-p patch): for every
   response token, the ids of the nucleus it was sampled from (``meta_info.top_p_token_ids`` and
   ``top_p_token_offsets``, base64 int32; slime's trainer renormalises its log-probs over them).
+  With slime 0.4.0's score centering (``--use-score-centering``) also the sampler's log-prob of each
+  kept id (``meta_info.top_p_log_probs``, base64 float32, aligned with the ids; slime's
+  ``Sample.rollout_top_p_log_probs``).
+* **sampler top-k** (score centering with top-p 1, ``--score-centering-top-k k``): for every
+  response token, the ``k`` most likely ids and their log-probs under the distribution it was
+  sampled from (SGLang's ``top_logprobs_num``: ``meta_info.output_top_logprobs``, or the binary
+  ``output_topk_token_ids`` / ``output_topk_log_probs`` of slime's patched SGLang; slime's
+  ``Sample.rollout_topk_token_ids`` / ``rollout_topk_log_probs``, ``[response, k]``).
 
 **Stitching.** A resumed call sends prompt + partial response and generates the rest. Row ``i``
 belongs to the segment that sampled token ``i + 1``, so rows ``[0, prompt + partial - 1)`` are the
 earlier segments' and the resume supplies the others (it is asked for just those, with
 ``routed_experts_start_len``). The engine's own rows for old positions are never used: once a
 weight update has flushed its prefix cache they are recomputed under the new weights and are not
-the routing that generated those tokens. Top-p sets are per response token and simply concatenate.
+the routing that generated those tokens. Top-p sets, their log-probs and the top-k rows are per
+response token and simply concatenate, so each keeps the distribution of the version that sampled
+its token.
 A count that does not add up raises ``ValueError`` naming both sides; nothing is half-applied.
 
 **Storage.** Raw little-endian int32 bytes (rows x layers x topk x 4 for the experts): a Python
@@ -24,29 +34,34 @@ list of ints would take about nine times the memory. ``to_dict`` hands out immut
 copies, so a buffer snapshot (taken every step) costs a memory copy; the checkpoint writer turns
 them into base64 only when it saves (``core.checkpoint``), and ``from_dict`` reads either. Top-p
 sets are kept as kept ids plus one count per token (concatenation and truncation need no offset
-arithmetic); slime's offsets are their prefix sums.
+arithmetic); slime's offsets are their prefix sums. Log-probs are little-endian float32 bytes,
+the dtype slime keeps them in.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import math
 import sys
 from array import array
 from dataclasses import dataclass
 from typing import Any
 
-INT32 = 4  # bytes per stored value
+INT32 = 4  # bytes per stored value (int32 and float32 alike)
 
 
 @dataclass(frozen=True)
 class ReplaySpec:
     """What a job replays: routed experts of ``routed_layers x routed_topk`` per position (0: none),
-    and whether every response token carries its top-p kept ids."""
+    whether every response token carries its top-p kept ids (and, ``top_p_log_probs``, their
+    sampler log-probs), and the width of its sampler top-k rows (0: none)."""
 
     routed_layers: int = 0
     routed_topk: int = 0
     top_p: bool = False
+    top_p_log_probs: bool = False
+    topk: int = 0
 
     @property
     def routed(self) -> bool:
@@ -59,7 +74,7 @@ class ReplaySpec:
 
     @property
     def active(self) -> bool:
-        return self.routed or self.top_p
+        return self.routed or self.top_p or self.topk > 0
 
 
 NO_REPLAY = ReplaySpec()
@@ -103,12 +118,49 @@ def decode_int32(value: Any, what: str) -> bytes:
     raise ValueError(f"{what} is neither base64 nor a list of integers: {type(value).__name__}")
 
 
+def decode_float32(value: Any, what: str) -> bytes:
+    """A float32 array as an engine sends it (base64 of little-endian float32, or a list of
+    numbers) -> little-endian bytes. Raises ``ValueError`` naming ``what``."""
+    if isinstance(value, str):
+        return decode_int32(value, what)  # the same 4-byte framing
+    if isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return float32_bytes(value)
+    raise ValueError(f"{what} is neither base64 nor a list of numbers: {type(value).__name__}")
+
+
+def decode_log_probs(value: Any, what: str, count: int, tolerance: float) -> bytes:
+    """``count`` finite log-probabilities (at most ``tolerance`` above 0) as an engine sends them
+    -> little-endian float32 bytes. Raises ``ValueError`` naming ``what``."""
+    raw = decode_float32(value, what)
+    values = float32_values(raw)
+    if len(values) != count or (count and not (math.isfinite(sum(values)) and max(values) <= tolerance)):
+        raise ValueError(f"{what} holds {len(values)} values, not {count} finite log-probabilities")
+    return raw
+
+
+def float32_values(raw: bytes | bytearray) -> array:
+    """Little-endian float32 bytes -> ``array('f')`` (native order)."""
+    values = array("f")
+    values.frombytes(bytes(raw))
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values
+
+
+def float32_bytes(values: Any) -> bytes:
+    """Numbers -> little-endian float32 bytes."""
+    out = array("f", values)
+    if sys.byteorder == "big":
+        out.byteswap()
+    return out.tobytes()
+
+
 def _copy(raw: bytes | bytearray | None) -> bytes | None:
     return None if raw is None else bytes(raw)
 
 
 def _read(value: str | bytes | None, what: str) -> bytearray | None:
-    """A saved int32 array: ``bytes`` (an in-memory state) or base64 (a checkpoint file)."""
+    """A saved int32 or float32 array: ``bytes`` (an in-memory state) or base64 (a checkpoint file)."""
     if value is None:
         return None
     if isinstance(value, (bytes, bytearray)):
@@ -121,25 +173,35 @@ def _read(value: str | bytes | None, what: str) -> bytearray | None:
 # ---------------------------------------------------------------- one reply, one trajectory
 @dataclass
 class SegmentReplay:
-    """What one reply adds: the routed experts of positions ``[routed_start, input + output - 1)``
-    and the top-p kept ids of each output token (ids, and one count per token)."""
+    """What one reply adds: the routed experts of positions ``[routed_start, input + output - 1)``,
+    the top-p kept ids of each output token (ids, one count per token, and the ids' log-probs),
+    and the ``topk`` sampler top-k ids and log-probs of each output token."""
 
     routed_start: int = 0
     routed: bytes | None = None
     routed_width: int = 0
     top_p_ids: bytes | None = None
     top_p_counts: bytes | None = None
+    top_p_log_probs: bytes | None = None
+    topk: int = 0
+    topk_ids: bytes | None = None
+    topk_log_probs: bytes | None = None
 
 
 @dataclass
 class TokenReplay:
     """A trajectory's replay data: routed experts of positions ``[0, routed_rows)`` (``routed_width``
-    int32 per row), and the top-p kept ids of its first ``top_p_tokens`` response tokens."""
+    int32 per row), the top-p kept ids (and their log-probs) of its first ``top_p_tokens`` response
+    tokens, and the sampler top-k rows (``topk`` ids and log-probs) of its first ``topk_tokens``."""
 
     routed_width: int = 0
     routed: bytearray | None = None
     top_p_ids: bytearray | None = None
     top_p_counts: bytearray | None = None
+    top_p_log_probs: bytearray | None = None
+    topk: int = 0
+    topk_ids: bytearray | None = None
+    topk_log_probs: bytearray | None = None
 
     @property
     def routed_rows(self) -> int:
@@ -148,6 +210,10 @@ class TokenReplay:
     @property
     def top_p_tokens(self) -> int:
         return len(self.top_p_counts) // INT32 if self.top_p_counts is not None else 0
+
+    @property
+    def topk_tokens(self) -> int:
+        return len(self.topk_ids) // (INT32 * self.topk) if self.topk_ids is not None and self.topk else 0
 
     def covers(self, spec: ReplaySpec, prompt_len: int, response_len: int) -> str | None:
         """None when this holds what ``spec`` asks for a trajectory of that length, else what is
@@ -161,6 +227,12 @@ class TokenReplay:
                 return f"routed experts of {self.routed_rows} positions, not {want}"
         if spec.top_p and self.top_p_tokens != response_len:
             return f"top-p kept ids of {self.top_p_tokens} response tokens, not {response_len}"
+        if spec.top_p_log_probs and response_len and (self.top_p_log_probs is None
+                                                      or len(self.top_p_log_probs) != len(self.top_p_ids)):
+            return "top-p kept ids without their log-probs"
+        if spec.topk and response_len and (self.topk != spec.topk or self.topk_tokens != response_len):
+            return (f"sampler top-{self.topk} rows of {self.topk_tokens} response tokens, not top-{spec.topk} "
+                    f"of {response_len}")
         return None
 
     def extend(self, seg: SegmentReplay, *, input_len: int, response_len: int, new_tokens: int) -> None:
@@ -192,6 +264,17 @@ class TokenReplay:
             if self.top_p_tokens != response_len:
                 raise ValueError(f"top-p kept ids are held for {self.top_p_tokens} of the {response_len} "
                                  "response tokens before this call")
+            held_log_probs = self.top_p_log_probs is not None or not response_len
+            if seg.top_p_log_probs is not None and (len(seg.top_p_log_probs) != len(seg.top_p_ids or b"")
+                                                    or not held_log_probs):
+                raise ValueError("top-p log-probs that do not pair with the kept ids")
+        if seg.topk_ids is not None:
+            if not seg.topk or len(seg.topk_ids) != new_tokens * seg.topk * INT32 or len(
+                    seg.topk_log_probs or b"") != len(seg.topk_ids):
+                raise ValueError(f"sampler top-{seg.topk} rows that do not cover {new_tokens} new tokens")
+            if self.topk_tokens != response_len or (response_len and self.topk != seg.topk):
+                raise ValueError(f"sampler top-{self.topk} rows are held for {self.topk_tokens} of the "
+                                 f"{response_len} response tokens before this top-{seg.topk} call")
         if routed is not None:
             keep, rows = routed
             if self.routed is None:
@@ -204,6 +287,12 @@ class TokenReplay:
                 self.top_p_ids, self.top_p_counts = bytearray(), bytearray()
             self.top_p_ids += seg.top_p_ids or b""
             self.top_p_counts += seg.top_p_counts
+            if seg.top_p_log_probs is not None:
+                self.top_p_log_probs = (self.top_p_log_probs or bytearray()) + seg.top_p_log_probs
+        if seg.topk_ids is not None:
+            self.topk = seg.topk
+            self.topk_ids = (self.topk_ids or bytearray()) + seg.topk_ids
+            self.topk_log_probs = (self.topk_log_probs or bytearray()) + seg.topk_log_probs
 
     def truncate(self, prompt_len: int, response_len: int) -> None:
         """Keep what covers the first ``response_len`` response tokens."""
@@ -214,6 +303,11 @@ class TokenReplay:
             counts = int32_values(self.top_p_counts[:response_len * INT32])
             del self.top_p_counts[response_len * INT32:]
             del self.top_p_ids[sum(counts) * INT32:]
+            if self.top_p_log_probs is not None:
+                del self.top_p_log_probs[sum(counts) * INT32:]
+        if self.topk_ids is not None:
+            del self.topk_ids[response_len * self.topk * INT32:]
+            del self.topk_log_probs[response_len * self.topk * INT32:]
 
     def top_p_offsets(self) -> list[int]:
         """slime's ``rollout_top_p_token_offsets``: 0, then the running total of kept ids."""
@@ -226,14 +320,19 @@ class TokenReplay:
     def to_dict(self) -> dict[str, Any]:
         """Plain data but for the arrays, which are ``bytes`` (see the module docstring)."""
         return {"routed_width": self.routed_width, "routed": _copy(self.routed),
-                "top_p_ids": _copy(self.top_p_ids), "top_p_counts": _copy(self.top_p_counts)}
+                "top_p_ids": _copy(self.top_p_ids), "top_p_counts": _copy(self.top_p_counts),
+                "top_p_log_probs": _copy(self.top_p_log_probs), "topk": self.topk,
+                "topk_ids": _copy(self.topk_ids), "topk_log_probs": _copy(self.topk_log_probs)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TokenReplay":
         replay = cls(routed_width=int(d.get("routed_width", 0)),
                      routed=_read(d.get("routed"), "replay.routed"),
                      top_p_ids=_read(d.get("top_p_ids"), "replay.top_p_ids"),
-                     top_p_counts=_read(d.get("top_p_counts"), "replay.top_p_counts"))
+                     top_p_counts=_read(d.get("top_p_counts"), "replay.top_p_counts"),
+                     top_p_log_probs=_read(d.get("top_p_log_probs"), "replay.top_p_log_probs"),
+                     topk=int(d.get("topk", 0)), topk_ids=_read(d.get("topk_ids"), "replay.topk_ids"),
+                     topk_log_probs=_read(d.get("topk_log_probs"), "replay.topk_log_probs"))
         if replay.routed is not None and (not replay.routed_width
                                           or len(replay.routed) % (INT32 * replay.routed_width)):
             raise ValueError(f"replay.routed: {len(replay.routed)} bytes are not rows of "
@@ -243,4 +342,10 @@ class TokenReplay:
         if replay.top_p_counts is not None and sum(int32_values(replay.top_p_counts)) * INT32 != len(
                 replay.top_p_ids):
             raise ValueError("replay: top-p counts do not add up to the kept ids")
+        if replay.top_p_log_probs is not None and len(replay.top_p_log_probs) != len(replay.top_p_ids or b""):
+            raise ValueError("replay: top-p log-probs do not pair with the kept ids")
+        if (replay.topk_ids is None) != (replay.topk_log_probs is None) or replay.topk_ids is not None and (
+                not replay.topk or len(replay.topk_ids) % (INT32 * replay.topk)
+                or len(replay.topk_log_probs) != len(replay.topk_ids)):
+            raise ValueError(f"replay: sampler top-k ids and log-probs are not rows of {replay.topk}")
         return replay

@@ -19,7 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from april_slime.core.replay import INT32, NO_REPLAY, ReplaySpec, SegmentReplay, decode_int32, int32_bytes, int32_values
+from april_slime.core.replay import (
+    INT32,
+    NO_REPLAY,
+    ReplaySpec,
+    SegmentReplay,
+    decode_int32,
+    decode_log_probs,
+    float32_bytes,
+    int32_bytes,
+    int32_values,
+)
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -415,14 +425,20 @@ TOP_P_OFFSET_KEYS = ("top_p_token_offsets", "top_p_kept_token_offsets")
 
 def ask_for_replay(payload: dict, spec: ReplaySpec, routed_start: int) -> None:
     """Add to a ``/generate`` payload what ``spec`` replays: the routed experts of the positions
-    from ``routed_start`` on, and (slime's top-p patch) the top-p kept ids of every token."""
+    from ``routed_start`` on, (slime's top-p patch) the top-p kept ids of every token and their
+    log-probs, and the sampler top-k of every token (``top_logprobs_num``, as slime 0.4.0's
+    ``slime/utils/score_centering.py`` asks)."""
     if spec.routed:
         payload["return_routed_experts"] = True
         if routed_start:
             payload["routed_experts_start_len"] = routed_start
     if spec.top_p:
         params = payload["sampling_params"]
-        params["custom_params"] = {**(params.get("custom_params") or {}), "return_top_p_token_ids": True}
+        asked = {"return_top_p_token_ids": True, **({"return_top_p_log_probs": True} if spec.top_p_log_probs else {})}
+        params["custom_params"] = {**(params.get("custom_params") or {}), **asked}
+    if spec.topk:
+        payload["return_logprob"] = True
+        payload["top_logprobs_num"] = spec.topk
 
 
 def parse_replay(meta: dict, where: str, spec: ReplaySpec, *, input_len: int, output_len: int,
@@ -438,7 +454,54 @@ def parse_replay(meta: dict, where: str, spec: ReplaySpec, *, input_len: int, ou
     if spec.top_p:
         seg.top_p_ids, seg.top_p_counts = parse_top_p_token_ids(meta, where, output_len=output_len,
                                                                 vocab_size=vocab_size)
+        if spec.top_p_log_probs:
+            seg.top_p_log_probs = _log_probs(meta, "top_p_log_probs", where, len(seg.top_p_ids) // INT32)
+    if spec.topk:
+        seg.topk = spec.topk
+        seg.topk_ids, seg.topk_log_probs = parse_sampler_topk(meta, where, k=spec.topk, output_len=output_len,
+                                                              vocab_size=vocab_size)
     return seg
+
+
+def _log_probs(meta: dict, key: str, where: str, count: int) -> bytes:
+    try:
+        return decode_log_probs(meta.get(key), f"meta_info.{key}", count, LOGPROB_TOLERANCE)
+    except ValueError as e:
+        raise EngineReplyError(f"{where}: {e} (slime's score centering needs the sampler's log-probs)") from None
+
+
+def parse_sampler_topk(meta: dict, where: str, *, k: int, output_len: int,
+                       vocab_size: int | None) -> tuple[bytes, bytes]:
+    """The sampler's top-``k`` of every output token -> (ids int32, log-probs float32), rows in the
+    engine's order: slime's patched SGLang sends ``output_topk_token_ids`` / ``_log_probs`` (base64,
+    ``output_topk_shape`` [tokens, k]); stock SGLang ``output_top_logprobs`` (per token, ``k``
+    ``[logprob, token_id, text]`` triples)."""
+    if meta.get("output_topk_token_ids") is not None:
+        if meta.get("output_topk_shape") != [output_len, k]:
+            raise EngineReplyError(f"{where}: meta_info.output_topk_shape {meta.get('output_topk_shape')!r} is not "
+                                   f"[{output_len}, {k}]")
+        try:
+            ids_raw = decode_int32(meta["output_topk_token_ids"], "meta_info.output_topk_token_ids")
+        except ValueError as e:
+            raise EngineReplyError(f"{where}: {e}") from None
+        ids = list(int32_values(ids_raw))
+        log_probs_raw = _log_probs(meta, "output_topk_log_probs", where, output_len * k)
+    else:
+        rows = meta.get("output_top_logprobs")
+        if not isinstance(rows, list) or len(rows) != output_len or any(
+                not isinstance(row, list) or len(row) != k for row in rows):
+            raise EngineReplyError(f"{where}: meta_info.output_top_logprobs is not {output_len} rows of {k} entries "
+                                   f"(the request asked top_logprobs_num={k})")
+        log_probs, ids = _split_logprob_triples([entry for row in rows for entry in row], where)
+        log_probs_raw = float32_bytes(log_probs)
+    if len(ids) != output_len * k:
+        raise EngineReplyError(f"{where}: sampler top-{k} ids of {len(ids)} entries for {output_len} tokens")
+    for row in range(output_len):
+        chunk = ids[row * k:(row + 1) * k]
+        if len(set(chunk)) != k or min(chunk) < 0 or (vocab_size is not None and max(chunk) >= vocab_size):
+            raise EngineReplyError(f"{where}: sampler top-{k} ids of token {row} are not {k} distinct ids in the "
+                                   f"vocabulary: {chunk}")
+    return int32_bytes(ids), log_probs_raw
 
 
 def parse_routed_experts(meta: dict, where: str, spec: ReplaySpec, *, input_len: int, output_len: int,
