@@ -24,7 +24,7 @@ import math
 from typing import Any
 
 from april_slime.core.config import AprilConfig, AprilConfigError
-from april_slime.core.keys import POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
+from april_slime.core.keys import MASKED_MEMBERS_KEY, POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
 from april_slime.core.replay import INT32, ReplaySpec, TokenReplay, int32_bytes
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.masking import masked_reward
@@ -346,7 +346,12 @@ class SampleCodec:
 
     def samples(self, group: Group, current_version: int | None) -> list[Any]:
         """One entry per trajectory: a sample, or the list an episode's function returned."""
-        return [self.sample(group, t, current_version) for t in group.trajectories]
+        entries = [self.sample(group, t, current_version) for t in group.trajectories]
+        masked = [t.index_in_group for t in group.masked()]
+        if masked:
+            for s in leaves(entries):
+                s.train_metadata[MASKED_MEMBERS_KEY] = masked
+        return entries
 
     # ------------------------------------------------------------ slime samples -> groups
     def group_from_samples(self, samples: list[Any], current_version: int) -> Group:

@@ -14,10 +14,13 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from april_slime import rollout
 from april_slime.core.config import MASKING_POST_PROCESS, AprilConfig, AprilConfigError
+from april_slime.core.keys import MASKED_MEMBERS_KEY, OPOB_GROUP_KEY
 from april_slime.masking import post_process_rewards
+from april_slime.vcpo import opob_advantages
 from tests.support import agent_functions as af
 from tests.support import slime_standin
 from tests.support.agent_functions import check_sample
@@ -75,6 +78,8 @@ def test_a_sample_given_up_for_an_infrastructure_fault_is_masked_and_its_group_t
     assert masked.response_length == 1 and masked.loss_mask == [0] and masked.tokens[-1] == masked.tokens[-2]
     for index in (1, 2):  # the group's other samples, as any trained sample
         check_sample(samples[index], version_floor=1)
+    for index in (0, 1, 2):  # what VCPO's group baseline reads on the trainer
+        assert samples[index].train_metadata[MASKED_MEMBERS_KEY] == [0]
     failed = [s for s in samples.values() if s.status.value == "failed"]
     assert all(s.remove_sample and not any(s.loss_mask) for s in failed)
     assert totals["april/masked_samples"] == len(failed) >= 1
@@ -166,3 +171,19 @@ def test_slimes_group_normalisation_without_the_post_process_is_refused():
     AprilConfig().check_against_slime(SimpleNamespace(advantage_estimator="grpo", rewards_normalization=True,
                                                       custom_reward_post_process_path=None))
     assert N == 3  # the job tests above rely on groups of three
+
+
+def test_vcpos_group_std_leaves_the_masked_members_out():
+    """``vcpo.opob_advantages`` (the group baseline's std, population) over the unmasked members of
+    each group, as the samples' metadata names them; the step's gradient with a masked member:
+    ``tests/test_vcpo_opob.py``."""
+    raw = [1.0, 0.0, 1.0, 0.25, 0.5, 0.5, 0.0, 1.0]
+    masked = {0: [2], 1: []}  # group -> its masked members
+    data = {"raw_reward": raw, "partition": list(range(8)), "kl": [torch.zeros(2)] * 8,
+            "metadata": [{MASKED_MEMBERS_KEY: masked[i // 4]} if masked[i // 4] else None for i in range(8)]}
+    opob_advantages(SimpleNamespace(n_samples_per_prompt=4), data)
+    for i, entry in enumerate(data["metadata"]):
+        group = i // 4
+        kept = [raw[4 * group + k] for k in range(4) if k not in masked[group]]
+        assert entry[OPOB_GROUP_KEY]["reward_std"] == pytest.approx(statistics.pstdev(kept), rel=1e-12)
+        assert entry[OPOB_GROUP_KEY]["group"] == group and entry[OPOB_GROUP_KEY]["size"] == 4
