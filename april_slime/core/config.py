@@ -168,9 +168,9 @@ class AprilConfig:
                           "masked instead of dropping its group: the sample (Sample.Status.FAILED, "
                           "remove_sample, loss mask 0) trains nothing and is left out of its group's reward "
                           "normalisation, and the group's other samples train. A wrong answer or a "
-                          "truncation is the policy's outcome and trains as usual. With slime's group "
-                          "normalisation needs --custom-reward-post-process-path "
-                          f"{MASKING_POST_PROCESS}. Counted in april/masked_samples."},
+                          "truncation is the policy's outcome and trains as usual. A job whose rewards slime "
+                          "group-normalises needs --custom-reward-post-process-path "
+                          f"{MASKING_POST_PROCESS} (docs/reliability.md). Counted in april/masked_samples."},
     )
     # ---------------------------------------------------------------- loss side
     is_mode: str = field(
