@@ -41,9 +41,10 @@ from april_slime.core.episodes import EpisodeRunner
 from april_slime.core.front import EpisodeFront
 from april_slime.core.keys import METRIC_PREFIX
 from april_slime.core.sglang_protocol import EngineError
-from april_slime.core.types import Group
+from april_slime.core.types import Group, TrajectoryStatus
 from april_slime.data_source import AprilDataSource, load_config
 from april_slime.generate_functions import GenerateFunctions
+from april_slime.masking import is_masked, masked_reward
 from april_slime.samples import SampleCodec, leaves, one_shape, slime_attr
 
 logger = logging.getLogger(__name__)
@@ -150,7 +151,8 @@ class _Runtime:
         self.episodes = EpisodeRunner(self.functions, max_failures=config.max_episode_failures,
                                       tool_timeout_s=config.episode_tool_timeout_s,
                                       max_given_up_in_a_row=config.max_given_up_in_a_row,
-                                      restored=self.data_source.restored_episodes)
+                                      restored=self.data_source.restored_episodes,
+                                      mask_failed=config.mask_failed_samples)
         self.front = EpisodeFront(self.episodes, tokenize=self.functions.tokenize,
                                   vocab_size=_vocab_size(self.codec),
                                   default_max_new_tokens=self.args.rollout_max_response_len)
@@ -282,8 +284,11 @@ class _Runtime:
         gets the list of its samples' rewards."""
         entries = await self._samples(group)
         args = self.args
-        # (trajectory, its samples, which of them need a reward)
-        shapes = [(t, e if isinstance(e, list) else [e]) for t, e in zip(group.trajectories, entries)]
+        # (trajectory, its samples, which of them need a reward); a masked member has its placeholder
+        shapes = [(t, e if isinstance(e, list) else [e]) for t, e in zip(group.trajectories, entries)
+                  if t.status is not TrajectoryStatus.FAILED]
+        for t in group.masked():
+            t.reward = masked_reward(args)
         group_rm = getattr(args, "group_rm", False)
         todo = [(t, n, s) for t, samples in shapes for n, s in enumerate(samples)
                 if group_rm or (t.reward is None and (t.episode_samples is None or s.reward is None))]
@@ -307,7 +312,7 @@ class _Runtime:
         """slime's dynamic sampling filter, ``f(args, samples) -> DynamicFilterOutput | bool``.
         ``keep_when_insufficient`` has no effect: the scheduler keeps generating until the batch is
         full, so dropping a group never leaves the batch short."""
-        samples = leaves(self.codec.samples(group, self.current_version))
+        samples = [s for s in leaves(self.codec.samples(group, self.current_version)) if not is_masked(s)]
         output = self.slime.call_dynamic_filter(self.filter_fn, self.args, samples)
         if not output.keep and output.reason:
             self.filter_drops[output.reason] += 1
@@ -334,6 +339,7 @@ class _Runtime:
         groups = one_shape(groups)
         metrics = dict(result.metrics)
         metrics.update({f"rollout/dynamic_filter/drop_{r}": c for r, c in self.filter_drops.items()})
+        metrics[METRIC_PREFIX + "masked_samples"] = sum(len(g.masked()) for g in result.groups)
         metrics[METRIC_PREFIX + "policy_version"] = version
         metrics[METRIC_PREFIX + "version_offset"] = self.version_offset
         # what save(rollout_id) writes, also after rollout_id + 1 ran; taken here, on the loop, because

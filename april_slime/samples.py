@@ -26,9 +26,10 @@ import math
 from typing import Any
 
 from april_slime.core.config import AprilConfig, AprilConfigError
-from april_slime.core.keys import POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
+from april_slime.core.keys import MASKED_MEMBERS_KEY, POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
 from april_slime.core.replay import INT32, ReplaySpec, TokenReplay, int32_bytes
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
+from april_slime.masking import masked_reward
 from april_slime.slime_compat import data_source_module
 
 _STATUS_TO_SLIME = {
@@ -317,6 +318,8 @@ class SampleCodec:
             raise RuntimeError(f"sample {t.uid}: use_rollout_routing_replay is not supported for multi-turn "
                                "episodes (its generate_function_path): its routed experts would have to be "
                                "stitched across its model calls")
+        if t.status is TrajectoryStatus.FAILED:
+            return self._masked_sample(group, t, current_version)
         if t.episode_samples is not None:
             return self._fanout_samples(group, t, current_version)
         if t.episode_sample is not None:
@@ -334,6 +337,23 @@ class SampleCodec:
         put_replay(s, t.replay, self.replay, t.uid)
         return self._with_plugin_fields(s, group.restarts, t.reward, t.version_runs, t.call_versions, t.num_calls,
                                         t.num_aborts, current_version)
+
+    def _masked_sample(self, group: Group, t: Trajectory, current_version: int | None) -> Any:
+        """A member masked out of its group (``april_slime.masking``): one placeholder token,
+        trained on by nothing."""
+        s = self.prompt_sample(group, t)
+        s.tokens = list(t.prompt_ids) + [t.prompt_ids[-1]]
+        s.response, s.response_length = "", 1
+        s.rollout_log_probs, s.loss_mask = [0.0], [0]
+        s.status, s.remove_sample = self.slime.Sample.Status.FAILED, True
+        if self.replay.top_p:  # slime checks every sample's kept ids (routed replay refuses episodes)
+            import torch
+
+            s.rollout_top_p_token_ids = torch.tensor([s.tokens[-1]], dtype=torch.int32)
+            s.rollout_top_p_token_offsets = torch.tensor([0, 1], dtype=torch.int32)
+        version = current_version if current_version is not None else 0
+        return self._with_plugin_fields(s, group.restarts, masked_reward(self.args), [[version, 1]], [], 0, 0,
+                                        current_version)
 
     def _episode_sample(self, group: Group, t: Trajectory, current_version: int | None) -> Any:
         s = self.slime.Sample.from_dict(copy.deepcopy(t.episode_sample))
@@ -386,7 +406,12 @@ class SampleCodec:
 
     def samples(self, group: Group, current_version: int | None) -> list[Any]:
         """One entry per trajectory: a sample, or the list an episode's function returned."""
-        return [self.sample(group, t, current_version) for t in group.trajectories]
+        entries = [self.sample(group, t, current_version) for t in group.trajectories]
+        masked = [t.index_in_group for t in group.masked()]
+        if masked:
+            for s in leaves(entries):
+                s.train_metadata[MASKED_MEMBERS_KEY] = masked
+        return entries
 
     # ------------------------------------------------------------ slime samples -> groups
     def group_from_samples(self, samples: list[Any], current_version: int) -> Group:

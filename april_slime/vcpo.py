@@ -32,7 +32,7 @@ from torch import nn
 
 from april_slime import settings
 from april_slime.core.config import AprilConfigError
-from april_slime.core.keys import OPOB_GROUP_KEY
+from april_slime.core.keys import MASKED_MEMBERS_KEY, OPOB_GROUP_KEY
 from april_slime.training.baseline import OpobAccumulator, OpobOptions
 from april_slime.training.ess import EssLrScaler
 from april_slime.training.grad_norms import PerSampleGradNorms, group_active
@@ -424,14 +424,17 @@ def opob_advantages(args, rollout_data: dict) -> None:
     if raw_all is None or partition is None:
         return
     n = int(getattr(args, "n_samples_per_prompt", 1) or 1)
-    groups = torch.tensor([float(r) for r in raw_all], dtype=torch.float64)
-    if groups.numel() % n:
-        raise ValueError(f"{groups.numel()} rewards in the rollout are not whole groups of n_samples_per_prompt {n}")
-    std = groups.reshape(-1, n).std(dim=-1, unbiased=False).tolist()
+    if len(raw_all) % n:
+        raise ValueError(f"{len(raw_all)} rewards in the rollout are not whole groups of n_samples_per_prompt {n}")
     metadata = rollout_data.get("metadata")
     if metadata is None:
         metadata = rollout_data["metadata"] = [None] * len(rewards)
     for i, pos in enumerate(partition):
         entry = dict(metadata[i] or {})
-        entry[OPOB_GROUP_KEY] = {"group": int(pos) // n, "size": n, "reward_std": std[int(pos) // n]}
+        group = int(pos) // n
+        # members masked out of the group (april_mask_failed_samples) train nothing and have no reward
+        masked = set(entry.get(MASKED_MEMBERS_KEY) or ())
+        kept = torch.tensor([float(raw_all[group * n + k]) for k in range(n) if k not in masked], dtype=torch.float64)
+        std = float(kept.std(unbiased=False)) if kept.numel() else 0.0
+        entry[OPOB_GROUP_KEY] = {"group": group, "size": n, "reward_std": std}
         metadata[i] = entry

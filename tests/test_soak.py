@@ -758,9 +758,11 @@ def on_loop(fn):
     return loop_run(_on_loop(fn))
 
 
-def test_soak_episodes_under_engine_and_function_faults(three_engines, quiet, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mask", [False, True], ids=["drop", "mask"])
+def test_soak_episodes_under_engine_and_function_faults(three_engines, quiet, tmp_path, monkeypatch, mask):
     """Part 3 (module docstring): every step with every engine fault class of ``EPISODE_ENGINE_FAULTS``
-    armed and each function fault armed on one of the next prompts' samples."""
+    armed and each function fault armed on one of the next prompts' samples; with ``mask``
+    (``april_mask_failed_samples``) a given-up sample is masked and its group goes on."""
     cluster = three_engines
     rng = random.Random(SEED + 3)
     emulator, model = cluster.emulator, cluster.emulator.model
@@ -780,7 +782,8 @@ def test_soak_episodes_under_engine_and_function_faults(three_engines, quiet, tm
                                for i in range(600)))
     # one re-run per episode, a short tool deadline, short retry delays (all in real time)
     settings = dict(custom_generate_function_path=EPISODE_FUNCTION, april_policy="copris", april_concurrency=12,
-                    april_max_episode_failures=1, april_episode_tool_timeout_s=0.5, april_retry_backoff_s=0.02)
+                    april_max_episode_failures=1, april_episode_tool_timeout_s=0.5, april_retry_backoff_s=0.02,
+                    april_mask_failed_samples=mask)
     args = point_at(make_args(tmp_path, prompts, **settings), cluster)
     source = rollout.AprilDataSource(args)
     ledger, figures, runners = Ledger(), Counter(), []
@@ -791,6 +794,9 @@ def test_soak_episodes_under_engine_and_function_faults(three_engines, quiet, tm
         ledger.check(source.buffer, where)
         for g in source.buffer.groups():
             for t in g.finished():
+                if t.status is TrajectoryStatus.FAILED:  # masked: no tokens
+                    assert mask and not t.response_ids and t.episode_sample is None
+                    continue
                 sample = t.episode_sample
                 check_episode_tokens(model, sample["tokens"], sample["response_length"], t.logprobs, t.loss_mask,
                                      t.version_runs, t.sampling_seed, f"{where}: buffered {t.uid}")
@@ -814,11 +820,16 @@ def test_soak_episodes_under_engine_and_function_faults(three_engines, quiet, tm
                 ledger.dropped.update(rollout._RUNTIME.scheduler.last_dropped)
             if out is not None:
                 figures["delivered_steps"] += 1
+                figures["masked_metric"] += out.metrics["april/masked_samples"]
                 assert len(out.samples) == args.rollout_batch_size
                 for group in out.samples:
                     assert len(group) == args.n_samples_per_prompt
                     ledger.delivered.append(str(group[0].group_index))
                     for i, s in enumerate(group):
+                        if s.status.value == "failed":  # masked out of its group
+                            assert mask and s.remove_sample and not any(s.loss_mask)
+                            figures["masked_trained"] += 1
+                            continue
                         check_sample(s, version_floor=1)
                         check_episode_tokens(model, s.tokens, s.response_length, s.rollout_log_probs, s.loss_mask,
                                              s.train_metadata[TOKEN_VERSIONS_KEY],
@@ -848,7 +859,12 @@ def test_soak_episodes_under_engine_and_function_faults(three_engines, quiet, tm
     assert figures["delivered_steps"] >= EPISODE_STEPS // 2
     assert set(transport.injected) == set(EPISODE_ENGINE_FAULTS), "an engine fault class was never injected"
     assert episodes["failures"] > 0 and episodes["timeouts"] > 0 and episodes["given_up"] > 0
-    assert 0 < dropped[DROP_EPISODE_FAILED] <= episodes["given_up"]
+    if mask:  # every given-up sample masked; a group dropped only when fewer than two were left
+        assert episodes["masked"] == episodes["given_up"] and figures["masked_trained"] > 0
+        assert figures["masked_trained"] == figures["masked_metric"]
+        assert dropped[DROP_EPISODE_FAILED] <= episodes["given_up"] // 2
+    else:
+        assert 0 < dropped[DROP_EPISODE_FAILED] <= episodes["given_up"] and not episodes["masked"]
     # the restore restarts exactly the unfinished episodes it found, each once (no staleness bound here)
     last = runners[-1]
     assert restored and last.counters.restarted == restored - len(last.restored)

@@ -55,14 +55,14 @@ def group_std(samples):
     return out
 
 
-def run_accumulator(model, samples, layout, options):
+def run_accumulator(model, samples, layout, options, stds=None):
     """One optimizer step: every micro-batch's forward, opob_policy_loss, backward; then finish."""
     params = list(model.parameters())
     norms = PerSampleGradNorms(model, weighted=True)
     acc = OpobAccumulator(norms, params, options)
     acc.begin_step()
     model.zero_grad(set_to_none=True)
-    stds = group_std(samples)
+    stds = group_std(samples) if stds is None else stds
     for rows in layout:
         mb = [samples[i] for i in rows]
         totals = [s["tokens"].numel() for s in mb]
@@ -115,6 +115,25 @@ def test_group_baseline_matches_the_float64_reference(layout, norm_by_std, lengt
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
     assert [b for b, _ in acc.last_group_baselines] == pytest.approx([baselines[g] for g in range(3)], rel=1e-10)
     assert baseline == pytest.approx(sum(baselines.values()) / 3, rel=1e-10)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("weights", ["released", "paper"])
+def test_a_masked_member_is_left_out_of_its_groups_baseline(layout, weights):
+    """A member masked out of its group (april_mask_failed_samples: loss mask 0, a placeholder
+    reward, its group's std taken without it as vcpo.opob_advantages does): the step's gradient and
+    each group's baseline are those of the remaining members only."""
+    model, samples = make_samples(2, GROUPS)
+    masked = 1  # of group 0
+    samples[masked]["mask"] = torch.zeros_like(samples[masked]["mask"])
+    samples[masked]["reward"] = 5.0  # far from the others: it would move the baseline and the std
+    remaining = [s for i, s in enumerate(samples) if i != masked]
+    options = OpobOptions(scope="group", norm_by_std=True, length_norm=True, weights=weights, high=HIGH)
+    (expected, baselines), _ = reference(model, remaining, options)
+    got, acc, _ = run_accumulator(model, samples, LAYOUTS[layout], options, stds=group_std(remaining))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+    assert [b for b, _ in acc.last_group_baselines] == pytest.approx([baselines[g] for g in range(3)], rel=1e-10)
 
 
 @pytest.mark.parametrize("layout", ["packed", "single", "mixed"])

@@ -24,6 +24,10 @@ POLICIES = ("sync", "april", "copris")
 DISPATCH_MODES = ("auto", "direct", "router")  # april_slime.core.dispatch reads them
 STALE_ACTIONS = ("restart", "drop")
 RESUME_PRIORITIES = ("verl", "fifo", "stalest")
+# slime's estimators whose rewards it normalises per group (--rewards-normalization), and the
+# function that does it without the masked samples (mask_failed_samples)
+GROUP_NORMALISED_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
+MASKING_POST_PROCESS = "april_slime.masking.post_process_rewards"
 
 # Sane upper bounds of settings whose absurd values would otherwise pass (documented in the help).
 MAX_OVER_SAMPLING_FACTOR = 100.0
@@ -138,6 +142,18 @@ class AprilConfig:
         metadata={"help": "Longest tool phase of an episode (no model call pending, not returned), in "
                           "seconds; past it the episode is ended and re-run as a failure. Unset: none."},
     )
+    mask_failed_samples: bool = field(
+        default=False,
+        metadata={"help": "An episode given up past max_episode_failures for an infrastructure fault (its "
+                          "generate function raised, e.g. a lost sandbox or a crashed verifier; its tool phase "
+                          "timed out; or the tokens it returned do not match the calls it was served) is "
+                          "masked instead of dropping its group: the sample (Sample.Status.FAILED, "
+                          "remove_sample, loss mask 0) trains nothing and is left out of its group's reward "
+                          "normalisation, and the group's other samples train. A wrong answer or a "
+                          "truncation is the policy's outcome and trains as usual. A job whose rewards slime "
+                          "group-normalises needs --custom-reward-post-process-path "
+                          f"{MASKING_POST_PROCESS} (docs/reliability.md). Counted in april/masked_samples."},
+    )
     # ------------------------------------------------------------------ building
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "AprilConfig":
@@ -203,6 +219,7 @@ class AprilConfig:
 
 
 def _check_against_slime(c: AprilConfig, args: Any) -> None:
+    _check_masking(c, args)
     batch = getattr(args, "rollout_batch_size", None)
     n = getattr(args, "n_samples_per_prompt", None)
     if batch is not None and batch < 1:
@@ -244,6 +261,15 @@ def _check_episodes(c: AprilConfig) -> None:
     if c.episode_tool_timeout_s is not None and not (
             math.isfinite(c.episode_tool_timeout_s) and c.episode_tool_timeout_s > 0):
         _fail("episode_tool_timeout_s", f"must be a finite number > 0 or unset, got {c.episode_tool_timeout_s}")
+
+
+def _check_masking(c: AprilConfig, args: Any) -> None:
+    """slime's own group normalisation counts every sample of a group, a masked one included."""
+    normalises = (getattr(args, "advantage_estimator", None) in GROUP_NORMALISED_ESTIMATORS
+                  and getattr(args, "rewards_normalization", False))
+    if c.mask_failed_samples and normalises and getattr(args, "custom_reward_post_process_path", None) is None:
+        _fail("mask_failed_samples", "slime's group reward normalisation would count the masked samples; set "
+                                     f"--custom-reward-post-process-path {MASKING_POST_PROCESS}")
 
 
 def _check_staleness(c: AprilConfig) -> None:

@@ -31,7 +31,12 @@ opens the group (``open``).
 Faults. A function that raises, or whose tool phase (no call pending, not returned) outlasts
 ``tool_timeout_s``, is re-run alone from its prompt: its calls are forgotten, the rest of its
 group keeps what it has. After ``max_failures`` re-runs the episode is given up: the member is
-marked ``failed`` and the step drops the group (counted). A function that cannot make progress
+marked ``failed`` and the step drops the group (counted). With ``mask_failed`` every such failure
+counts as an infrastructure fault (the function raised, its tool phase timed out, or the tokens it
+returned do not match the calls it was served; a wrong answer or a truncation is a finished episode,
+never a failure): the given-up member is masked instead (``TrajectoryStatus.FAILED``, no tokens) and
+the group goes on with its other members; a group left with fewer than two unmasked members (nothing
+to normalise against) is dropped as before. A function that cannot make progress
 stops the job instead of being re-run for ever (slime's own rollout raises at its first error): once
 ``max_given_up_in_a_row`` episodes were given up with none finished between them, or at once when
 the function's result shows it cannot serve under the plugin (``EpisodeRefused``: a property of its
@@ -147,6 +152,7 @@ class EpisodeCounters:
     failures: int = 0  # functions that raised
     timeouts: int = 0  # tool phases past the deadline
     given_up: int = 0
+    masked: int = 0  # given-up members masked out of their group (mask_failed) instead of dropping it
     refused: int = 0  # results showing the function cannot serve under the plugin (the job stops)
     tool_seconds: float = 0.0
 
@@ -158,9 +164,11 @@ class EpisodeRunner:
     """Every live episode of the job, and the model calls they wait on."""
 
     def __init__(self, agent: EpisodeAgent, *, max_failures: int = 2, tool_timeout_s: float | None = None,
-                 max_given_up_in_a_row: int | None = 16, restored: set[str] | None = None):
+                 max_given_up_in_a_row: int | None = 16, restored: set[str] | None = None,
+                 mask_failed: bool = False):
         self.agent = agent
         self.max_failures = max_failures
+        self.mask_failed = mask_failed  # a given-up member is masked, its group kept (module doc)
         self.tool_timeout_s = tool_timeout_s
         self.max_given_up_in_a_row = max_given_up_in_a_row  # None: no bound
         self.given_up_in_a_row = 0  # episodes given up since the last one finished
@@ -350,15 +358,22 @@ class EpisodeRunner:
         logger.warning("episode %s (attempt %d): %s", member.uid, episode.attempt + 1, why)
         self._stop(episode)
         if episode.attempt >= self.max_failures:
-            self._give_up(episode, why)
+            self._give_up(episode, why, mask=self.mask_failed)
             return
         fresh = self.episodes[member.uid] = Episode(member, attempt=episode.attempt + 1,
                                                     group_restarts=episode.group_restarts)
         member.reset()
         self._launch(fresh)
 
-    def _give_up(self, episode: Episode, why: str) -> None:
-        episode.failed = why
+    def _give_up(self, episode: Episode, why: str, mask: bool = False) -> None:
+        if mask:
+            # an infrastructure fault, not the policy's outcome: the member leaves its group's
+            # statistics and the loss, holding nothing of its failed attempts
+            episode.member.reset()
+            episode.member.status = TrajectoryStatus.FAILED
+            self.counters.masked += 1
+        else:
+            episode.failed = why
         self.counters.given_up += 1
         self.given_up_in_a_row += 1
         bound = self.max_given_up_in_a_row
@@ -436,10 +451,13 @@ class EpisodeWork(TrajectoryWork):
         return [call for member in group.trajectories for call in self.runner.open(member, group)]
 
     def gave_up(self, group: Group) -> bool:
-        """Whether a member's episode was given up (the step drops the group); raises
-        ``EpisodesFailing`` instead once the job's function cannot make progress."""
+        """Whether the step drops the group: a member's episode was given up unmasked, or masking
+        left fewer than two members to normalise against; raises ``EpisodesFailing`` instead once
+        the job's function cannot make progress."""
         self.runner.check()
-        return any(self.runner.failure_of(m) is not None for m in group.trajectories)
+        masked = len(group.masked())
+        return (any(self.runner.failure_of(m) is not None for m in group.trajectories)
+                or (masked > 0 and len(group.trajectories) - masked < 2))
 
     def busy(self, groups: list[Group]) -> bool:
         return any(self.runner.is_live(m) for g in groups for m in g.trajectories)

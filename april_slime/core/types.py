@@ -26,11 +26,14 @@ class TrajectoryStatus(str, enum.Enum):
     COMPLETED = "completed"  # engine finished with "stop"
     TRUNCATED = "truncated"  # engine finished with "length" (hit max_new_tokens)
     ABORTED = "aborted"  # the last call was aborted; holds a partial response, resumable
-    FAILED = "failed"  # unrecoverable engine error after retries
+    # given up for an infrastructure fault and masked out of its group (april_mask_failed_samples):
+    # it holds no tokens, never runs again, and trains nothing; its group's other samples train
+    FAILED = "failed"
 
     @property
     def finished(self) -> bool:
-        return self in (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED)
+        """No more generation: the sample is done (a masked one included)."""
+        return self in (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED, TrajectoryStatus.FAILED)
 
 
 @dataclass
@@ -238,6 +241,10 @@ class Group:
 
     def finished(self) -> list[Trajectory]:
         return [t for t in self.trajectories if t.status.finished]
+
+    def masked(self) -> list[Trajectory]:
+        """Members masked out of the group (``TrajectoryStatus.FAILED``)."""
+        return [t for t in self.trajectories if t.status is TrajectoryStatus.FAILED]
 
     def staleness(self, current_version: int) -> int:
         return max((t.staleness(current_version) for t in self.trajectories), default=0)

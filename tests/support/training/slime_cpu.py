@@ -240,14 +240,16 @@ def _rollout_manager_cls():
     return meta.modified_class if meta is not None else cls
 
 
-def rollout_to_trainer(args: Namespace, samples: list[Sample], dp_size: int = 1, dp_rank: int = 0) -> dict:
-    """The rollout side's conversion and DP split, then the trainer's process_rollout_data."""
+def rollout_to_trainer(args: Namespace, samples: list[Sample], dp_size: int = 1, dp_rank: int = 0,
+                       reward_post_process=None) -> dict:
+    """The rollout side's conversion and DP split, then the trainer's process_rollout_data;
+    ``reward_post_process``: the function --custom-reward-post-process-path names (None: slime's)."""
     cls = _rollout_manager_cls()
     # the methods only read these attributes; __init__ would start engines
     manager = object.__new__(cls)
     manager.args = args
     manager.custom_convert_samples_to_train_data_func = None
-    manager.custom_reward_post_process_func = None
+    manager.custom_reward_post_process_func = reward_post_process
     manager.train_parallel_config = {"dp_size": dp_size, "cp_size": 1, "vpp_size": 1,
                                      "microbatch_group_size_per_vp_stage": 1}
     identity = types.SimpleNamespace(put=lambda x, **_: x, get=lambda x: x)
