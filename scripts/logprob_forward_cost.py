@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from april_slime.workbench.vcpo_timing import CONFIG, build, per_sample_log_probs
+from april_workbench.vcpo_timing import CONFIG, build, per_sample_log_probs
 
 
 def main(argv=None) -> dict:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU cost of VCPO's loss side against a packed variable-length plain step, as ratios in one run.
 
-The variants of ``april_slime.workbench.vcpo_timing`` (one optimizer step's forward, loss and
+The variants of ``april_workbench.vcpo_timing`` (one optimizer step's forward, loss and
 backward until the gradient is ready) on one decoder of Qwen3-like proportions and one batch of
 ``samples`` variable-length samples packed into ``tokens`` positions:
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from april_slime.workbench.vcpo_timing import CONFIGS, VARIANTS, build
+from april_workbench.vcpo_timing import CONFIGS, VARIANTS, build
 
 
 def commit() -> str | None:

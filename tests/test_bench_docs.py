@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from april_slime.workbench.bench import docs_report
-from april_slime.workbench.bench.docs_report import check, render, reproduce_counts, update
+from april_workbench.bench import docs_report
+from april_workbench.bench.docs_report import check, render, reproduce_counts, update
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,7 +89,7 @@ def test_rows_with_the_training_fit_run_as_an_arm_are_partly_fitted():
     """The training phase is fitted on CoPRIS tab. 2's N' = 1024 run; a row published as held out
     with that run as an arm is counted apart, in the code and in the committed JSON alike; the
     length statistics a law is solved to meet are flagged as inputs."""
-    from april_slime.workbench.bench.reproduce import PARTLY_FITTED, SOLVED_STATISTICS, rows, tab2_reference
+    from april_workbench.bench.reproduce import PARTLY_FITTED, SOLVED_STATISTICS, rows, tab2_reference
 
     table = rows()
     ref = tab2_reference()

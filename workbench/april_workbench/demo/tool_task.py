@@ -8,7 +8,7 @@ after a latency drawn per call from a log-normal distribution (``TOOL``), as a r
 its long tail, and the policy's own long turns, are what partial rollout has to deal with.
 
 ``generate`` is a custom generate function with slime's contract (``--custom-generate-function-path
-april_slime.workbench.demo.tool_task.generate``), written as slime's search-r1 example is: one
+april_workbench.demo.tool_task.generate``), written as slime's search-r1 example is: one
 ``/generate`` per turn at ``http://{args.sglang_router_ip}:{args.sglang_router_port}``, stop strings at
 the closing tags, the tool's tokens appended with loss mask 0 and log-prob 0.0. It uses plain aiohttp
 and token ids. Under the plugin each call is scheduled, aborted at a step's target and resumed in a
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from april_slime.workbench.demo import task
-from april_slime.workbench.demo.policy import WarmStartSpec, build_checkpoint
+from april_workbench.demo import task
+from april_workbench.demo.policy import WarmStartSpec, build_checkpoint
 
 TAGS = ["<calc>", "</calc>", "<result>", "</result>", "<answer>", "</answer>"]
 VOCAB = [str(d) for d in range(10)] + ["*", "="] + TAGS + [task.EOS, task.PAD]
@@ -110,7 +110,7 @@ def score(response: str, label: str) -> float:
 
 
 async def reward(args: Any, sample: Any, **kwargs: Any) -> float:
-    """slime custom reward (``--custom-rm-path april_slime.workbench.demo.tool_task.reward``)."""
+    """slime custom reward (``--custom-rm-path april_workbench.demo.tool_task.reward``)."""
     if not isinstance(sample.label, str):
         raise ValueError(f"sample {sample.index}: the tool task's reward needs a string label, got "
                          f"{type(sample.label).__name__}")

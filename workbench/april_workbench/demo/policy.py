@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar, Sequence
 
-from april_slime.workbench.demo import task
+from april_workbench.demo import task
 
 # (prompt, response) text of one demonstration, drawn with the given generator; the response is a
 # text, or (text, trained) segments: a multi-turn demonstration's tool outputs are not trained on
@@ -208,7 +208,7 @@ def build_checkpoint(cache_dir: str | Path, spec, tokenizer, demonstrate: Demons
     import torch
     from transformers import AutoModelForCausalLM
 
-    from april_slime.workbench.tiny_qwen3 import build_tiny_qwen3
+    from april_workbench.tiny_qwen3 import build_tiny_qwen3
 
     cache_dir = Path(cache_dir)
     out = cache_dir / f"policy-{spec.key()}"

@@ -38,7 +38,7 @@ import numpy as np
 
 from april_slime.core.episodes import CallRequest, Episode, EpisodeError, EpisodeRunner, ModelCall
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
-from april_slime.workbench.emulator import SyntheticLM
+from april_workbench.emulator import SyntheticLM
 
 from .workloads import MAX_TURNS, LengthStats, SyntheticPrompts, Workload
 

@@ -355,7 +355,7 @@ def engine_spec(m: dict[str, Any], base_preset: str, name: str | None = None,
 
 def emulated_batch_time(spec: Any, batch: int, prompt_len: int, max_new_tokens: int) -> float:
     """Seconds the emulator, running ``spec``, takes for a batch like ``_Engine.batch_time``'s."""
-    from april_slime.workbench.emulator import EmulatedEngine, SyntheticLM, run_virtual
+    from april_workbench.emulator import EmulatedEngine, SyntheticLM, run_virtual
 
     async def run() -> float:
         engine = EmulatedEngine(SyntheticLM(), spec.engine_config())

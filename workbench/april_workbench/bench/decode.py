@@ -1,8 +1,8 @@
 """How fast the engine client decodes and checks one long SGLang ``/generate`` reply, as a ratio
 to a bare ``orjson.loads`` of the same bytes, measured interleaved in one run.
 
-    python -m april_slime.workbench.bench.decode                 # 16,384 tokens, 30 rounds
-    python -m april_slime.workbench.bench.decode --tokens 32768 --rounds 50 --json decode.json
+    python -m april_workbench.bench.decode                 # 16,384 tokens, 30 rounds
+    python -m april_workbench.bench.decode --tokens 32768 --rounds 50 --json decode.json
 
 The reply is what SGLang 0.5.23 sends for a request with ``return_logprob``: ``text``,
 ``output_ids``, and ``meta_info`` with its ``[logprob, token_id, null]`` triples (float32 log-probs
@@ -142,7 +142,7 @@ def format_report(summary: dict[str, dict[str, float]], tokens: int, size: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m april_slime.workbench.bench.decode",
+    p = argparse.ArgumentParser(prog="python -m april_workbench.bench.decode",
                                 description="Decode and check one long SGLang reply: tokens/s and the ratio to "
                                             "a bare orjson.loads, interleaved in one run.")
     p.add_argument("--tokens", type=int, default=16384, help="output tokens of the reply (default 16384)")

@@ -7,7 +7,7 @@ One step, for each rollout policy (sync, april, copris):
    called through slime's ``call_rollout_fn`` as its ``RolloutManager`` does (``args`` from slime's
    own argument parser), against SGLang CPU engines behind sglang-router. Prompts come from slime's
    ``RolloutDataSource`` (a JSONL file), rewards from slime's reward path (``custom_rm_path`` ->
-   ``april_slime.workbench.demo.task.reward``); april and copris abort at target and buffer the
+   ``april_workbench.demo.task.reward``); april and copris abort at target and buffer the
    partials, which later steps resume first;
 2. train: one rollout batch through ``april_slime.loss.policy_loss`` on a transformers copy of the
    policy (``trainer.PolicyTrainer``);
@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from april_slime.workbench.demo import task, tool_task
-from april_slime.workbench.demo.policy import PolicySpec
-from april_slime.workbench.demo.tool_task import ToolPolicySpec
+from april_workbench.demo import task, tool_task
+from april_workbench.demo.policy import PolicySpec
+from april_workbench.demo.tool_task import ToolPolicySpec
 
 POLICIES = ("sync", "april", "copris")
 TASKS = ("reverse", "tool")
@@ -236,7 +236,7 @@ def run_policy(policy: str, settings: DemoSettings, *, checkpoint: Path, prompts
     from transformers import AutoTokenizer
 
     from april_slime import rollout, vcpo
-    from april_slime.workbench.demo.trainer import PolicyTrainer
+    from april_workbench.demo.trainer import PolicyTrainer
 
     torch.manual_seed(settings.seed)
     vcpo.reset_runtime()  # rho_on is measured afresh on each policy's first (on-policy) step
@@ -346,8 +346,8 @@ def run_demo(settings: DemoSettings, *, cache_dir: Path, workdir: Path,
         raise ValueError(f"until needs max_steps >= steps ({settings.steps}), got {max_steps}")
     from transformers.utils import logging as hf_logging
 
-    from april_slime.workbench.demo.policy import build_policy
-    from april_slime.workbench.localstack import local_stack
+    from april_workbench.demo.policy import build_policy
+    from april_workbench.localstack import local_stack
 
     if settings.task == "tool":
         tool_task.TOOL.update(latency_median_s=settings.tool_latency_median_s,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from april_slime.workbench.emulator import LengthModel
+from april_workbench.emulator import LengthModel
 
 from .workloads import Workload, sample_lengths
 

@@ -1,4 +1,4 @@
-"""``april-slime emulator`` (also ``python -m april_slime.emulator``): serve an emulated SGLang
+"""``april-slime emulator`` (also ``python -m april_workbench.emulator``): serve an emulated SGLang
 router and engines on loopback.
 
 Every mistake on the command line (a port outside 0..65535, a port in use, a bad length preset,
@@ -168,4 +168,4 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(prog="python -m april_slime.emulator"))
+    sys.exit(main(prog="python -m april_workbench.emulator"))

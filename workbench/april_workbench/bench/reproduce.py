@@ -69,7 +69,7 @@ def _run(preset: str, workload: Workload, policy: str, **kw: Any) -> Run:
 
 def published() -> dict[str, Any]:
     """``data/published.json``: ``{"rows": [...], "statistics": [...]}``."""
-    text = resources.files("april_slime.workbench.bench").joinpath("data/published.json").read_text("utf-8")
+    text = resources.files("april_workbench.bench").joinpath("data/published.json").read_text("utf-8")
     return json.loads(text)
 
 

@@ -9,7 +9,7 @@ and without network: the real test tier, ``april-slime demo`` and the calibratio
 
 From a shell (for people; stops everything on Ctrl-C)::
 
-    python -m april_slime.localstack --tiny /tmp/tiny --engines 2
+    python -m april_workbench.localstack --tiny /tmp/tiny --engines 2
 
 Engines run SGLang 0.5.23 on CPU (``SGLANG_USE_CPU_ENGINE=1``, ``--device cpu --attention-backend
 torch_native --sampling-backend pytorch --disable-cuda-graph --dtype float32``), which needs the
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from april_slime.workbench.tiny_qwen3 import build_tiny_qwen3
+from april_workbench.tiny_qwen3 import build_tiny_qwen3
 
 __all__ = [
     "LocalEngine",
@@ -385,7 +385,7 @@ def local_stack(model_path: str | os.PathLike, n_engines: int = 1, *, router_kwa
 
 
 # ====================================================================== command line
-def main(argv: Sequence[str] | None = None, prog: str = "python -m april_slime.localstack") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m april_workbench.localstack") -> int:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Serve a model on local SGLang CPU engines behind sglang-router until interrupted.")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from april_slime.workbench.emulator import LengthModel
+from april_workbench.emulator import LengthModel
 
 from .laws import MEDIAN_INTERVALS, length_spec
 from .reproduce import april_family

@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from april_slime.workbench.emulator import EngineConfig, TimeModel
+from april_workbench.emulator import EngineConfig, TimeModel
 
 # ============================================================================ engine time model
 ENGINE_KINDS = ("sglang", "vllm")

@@ -3,7 +3,7 @@
 A prompt is ``"31415="``; the answer is the digits reversed followed by the end-of-text token,
 ``"51413<|endoftext|>"``. The reward is 1.0 for exactly that response and 0.0 for anything else
 (a wrong digit, a missing stop, extra digits before the stop). It is computed from the sample's
-text and label only, so slime's reward path (``--custom-rm-path april_slime.workbench.demo.task.reward``)
+text and label only, so slime's reward path (``--custom-rm-path april_workbench.demo.task.reward``)
 calls it as it calls any user reward.
 
 The tokenizer has one token per character (10 digits, ``=``) plus the end-of-text and padding
@@ -68,7 +68,7 @@ def score(response: str, label: str) -> float:
 
 
 async def reward(args: Any, sample: Any, **kwargs: Any) -> float:
-    """slime custom reward (``--custom-rm-path april_slime.workbench.demo.task.reward``)."""
+    """slime custom reward (``--custom-rm-path april_workbench.demo.task.reward``)."""
     if not isinstance(sample.label, str):
         raise ValueError(f"sample {sample.index}: the reverse-digits reward needs a string label, got "
                          f"{type(sample.label).__name__}")

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from april_slime.workbench.demo.loop import FULL, POLICIES, QUICK, TASKS, TOOL_FULL, TOOL_QUICK, Until
+from april_workbench.demo.loop import FULL, POLICIES, QUICK, TASKS, TOOL_FULL, TOOL_QUICK, Until
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None, *, until: Until | None = None, max_steps
     if ns.plot and importlib.util.find_spec("matplotlib") is None:
         print("april-slime demo: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
-    from april_slime.workbench.localstack import real_stack_missing
+    from april_workbench.localstack import real_stack_missing
 
     missing = real_stack_missing()
     if missing:
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None, *, until: Until | None = None, max_steps
     import torch
 
     from april_slime.core.jsonfile import write_json_atomic
-    from april_slime.workbench.demo.loop import run_demo
+    from april_workbench.demo.loop import run_demo
 
     torch.set_num_threads(ns.threads)
     # the engines run in their own process groups: a plain SIGTERM must unwind through the
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None, *, until: Until | None = None, max_steps
         write_json_atomic(ns.json, result)
         log(f"wrote {ns.json}")
     if ns.plot:
-        from april_slime.workbench.demo.plot import plot
+        from april_workbench.demo.plot import plot
 
         plot(result, ns.plot)
         log(f"wrote {ns.plot}")

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from april_slime.workbench.experiments.evidence import METHODS, EvidenceSettings, nanmin
+from april_workbench.experiments.evidence import METHODS, EvidenceSettings, nanmin
 
 
 def _mean(values: list[float]) -> float:

@@ -186,7 +186,7 @@ def _canonical(run: Run) -> Run:
 
 
 def _field(law: str, name: str) -> float:
-    from april_slime.workbench.emulator import LengthModel
+    from april_workbench.emulator import LengthModel
 
     return getattr(LengthModel.parse(law), name)
 

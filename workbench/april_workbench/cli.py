@@ -19,25 +19,25 @@ def _settings(argv: list[str]) -> int:
 
 
 def _emulator(argv: list[str]) -> int:
-    from april_slime.workbench.emulator.__main__ import main as emulator_main
+    from april_workbench.emulator.__main__ import main as emulator_main
 
     return emulator_main(argv, prog="april-slime emulator")
 
 
 def _bench(argv: list[str]) -> int:
-    from april_slime.workbench.bench import main as bench_main
+    from april_workbench.bench import main as bench_main
 
     return int(bench_main(argv) or 0)
 
 
 def _calibrate(argv: list[str]) -> int:
-    from april_slime.workbench.bench.calibrate import main as calibrate_main
+    from april_workbench.bench.calibrate import main as calibrate_main
 
     return int(calibrate_main(argv) or 0)
 
 
 def _demo(argv: list[str]) -> int:
-    from april_slime.workbench.demo.cli import main as demo_main
+    from april_workbench.demo.cli import main as demo_main
 
     return int(demo_main(argv) or 0)
 

@@ -20,7 +20,7 @@ from april_slime.core.engine import EngineClient
 from april_slime.core.scheduler import RolloutScheduler
 from april_slime.core.transport import HttpTransport
 from april_slime.core.types import Group
-from april_slime.workbench.emulator import EmulatorCluster, SyntheticLM, run_virtual
+from april_workbench.emulator import EmulatorCluster, SyntheticLM, run_virtual
 
 from .bounds import staleness_summary
 from .dispatch import SplitDispatch

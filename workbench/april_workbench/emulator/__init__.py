@@ -8,7 +8,7 @@ time costs), not a language model: tokens and log-probs are a deterministic hash
 (seed, prompt key, sampling seed, position, weight version), and response lengths follow a
 configurable long-tailed distribution.
 
-Entry points: ``python -m april_slime.emulator`` (HTTP on loopback),
+Entry points: ``python -m april_workbench.emulator`` (HTTP on loopback),
 ``testing.start_cluster`` (in the current event loop), ``EmulatorCluster`` + ``LocalTransport``
 (in-process) and ``vclock.run_virtual`` (emulated time without waiting).
 """

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from april_slime.core.types import Group, Trajectory
-from april_slime.workbench.emulator import LengthModel, SyntheticLM
-from april_slime.workbench.emulator.model import prompt_key
+from april_workbench.emulator import LengthModel, SyntheticLM
+from april_workbench.emulator.model import prompt_key
 
 from .spec import EngineSpec
 
