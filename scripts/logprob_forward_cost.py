@@ -7,7 +7,7 @@ forward). This measures, interleaved in one run on the decoder of scripts/vcpo_o
 step (forward + loss + backward) and that extra forward, and reports the step time with the
 recompute relative to the step without it.
 
-    python scripts/logprob_forward_cost.py --out docs/logprob_forward_cost_cpu.json
+    python scripts/logprob_forward_cost.py --out docs/results/logprob_forward_cost_cpu.json
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ other jobs the wall clock also counts the time the step waited for a core, the C
 work (run it with ``--threads 1``, so that no thread spins while another works). Both clocks are
 recorded either way. ``--memory`` adds each variant's peak RSS, measured in a fresh child process.
 
-    python scripts/vcpo_overhead.py --config cpu_16k --memory --out docs/vcpo_overhead_cpu.json
+    python scripts/vcpo_overhead.py --config cpu_16k --memory --out docs/results/vcpo_overhead_cpu.json
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""``april-slime bench report``: the bench's figures in README.md and docs/bench.md, rendered from
-the JSON files the bench commands wrote, and checked against them.
+"""``april-slime bench report``: the bench's figures in docs/results.md, docs/calibration.md and
+docs/bench.md, rendered from the JSON files the bench commands wrote, and checked against them.
 
 A document holds generated blocks::
 
@@ -25,7 +25,7 @@ from typing import Any, Callable
 # A path holds no white space, so a marker never reaches past its own line (an empty block's end included).
 BEGIN = re.compile(r"<!-- bench-report (?P<kind>[a-z-]+)(?P<paths>(?: \S+)+) -->\n")
 END = "<!-- /bench-report -->"
-DOCUMENTS = ("README.md", "docs/bench.md")
+DOCUMENTS = ("docs/results.md", "docs/calibration.md", "docs/bench.md")
 WITHIN = 0.10  # the "within +-10%" of the reproduce summary
 
 
@@ -346,8 +346,9 @@ def check(text: str, root: str = ".") -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="april-slime bench report",
-                                description="Render the bench's tables in README.md and docs/bench.md from the "
-                                            "JSON the bench commands wrote (--check: only compare).")
+                                description="Render the bench's tables in docs/results.md, docs/calibration.md and "
+                                            "docs/bench.md from the JSON the bench commands wrote "
+                                            "(--check: only compare).")
     p.add_argument("--check", action="store_true", help="exit 1 if a document differs from its JSON")
     p.add_argument("--root", default=".", help="the repository (default: the current directory)")
     p.add_argument("documents", nargs="*", default=list(DOCUMENTS))

@@ -23,7 +23,7 @@ from .workloads import Workload, sample_lengths
 STATISTICS = ("median", "mean", "sigma_batch", "sigma_group", "at_budget")
 
 # The medians at which each law's fit row stays within 5% of its published ratio (`april-slime
-# bench reproduce --fit`, docs/calibration/fit.json): the headline band spans them.
+# bench reproduce --fit`, docs/results/calibration/fit.json): the headline band spans them.
 MEDIAN_INTERVALS: dict[str, tuple[float, float]] = {
     "dapo-math-qwen3-4b-16k": (8481.0, 10466.0),
     "deepmath-qwen3-16k": (7026.0, 8707.0),

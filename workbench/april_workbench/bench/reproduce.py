@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace a length law (repeatable), e.g. the values --fit just found")
     p.add_argument("--fit", action="store_true",
                    help="fit every length law's median and tail on its fit rows and APRIL's length "
-                        "statistics, and veRL's training phase on CoPRIS tab. 2 (docs/calibration/fit.json)")
+                        "statistics, and veRL's training phase on CoPRIS tab. 2 (docs/results/calibration/fit.json)")
     p.add_argument("--laws", default=None, metavar="LAW,...", help="--fit: only these length laws")
     return p
 

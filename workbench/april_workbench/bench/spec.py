@@ -303,7 +303,7 @@ MODELS = {
 VERL_ROLLOUT: dict[str, Any] = dict(engine="vllm", mem_fraction_static=0.5, enforce_eager=True)
 # veRL's training phase per step, from CoPRIS tab. 2 (Distill-Qwen-1.5B, 16 A800, N' = 1024: Cal
 # logprob 22.15 s, the rest of the step beside the rollout 25.54 s) on the tokens the emulated run
-# trains and buffers at that point (``april-slime bench reproduce --fit``; docs/calibration/fit.json):
+# trains and buffers at that point (``april-slime bench reproduce --fit``; docs/results/calibration/fit.json):
 # an MFU for the update and one for the log-prob forward; no fixed part (the rest is per token).
 VERL_TRAINING: dict[str, Any] = dict(train_mfu=0.3321, logprob_mfu=0.3623, train_fixed_s=0.0)
 

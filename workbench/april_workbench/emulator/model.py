@@ -176,7 +176,7 @@ LENGTH_PRESETS: dict[str, LengthModel] = {
     # The benchmark's laws: each one's median and tail across prompts (prompt_sigma) are fitted
     # jointly on its fit rows and, for the APRIL laws, APRIL's length statistics (batch spread
     # 4,000-4,500 tokens, within-group < 1,500, ~40% carried-over tokens): `april-slime bench
-    # reproduce --fit`, docs/calibration/fit.json, docs/bench.md.
+    # reproduce --fit`, docs/results/calibration/fit.json, docs/bench.md.
     # DAPO-Math-17k on Qwen3 at a 16K budget (APRIL, the headline, the verl recipe).
     "dapo-math-qwen3-4b-16k": LengthModel(**{**_GROUP_SPREAD, "shape": 7.63866}, median_tokens=9000.0,
                                           prompt_sigma=0.51454),
