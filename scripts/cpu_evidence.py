@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""Run the CPU off-policy evidence experiment (see docs/evidence.md and april_slime/workbench/experiments/evidence.py).
+"""Run the CPU off-policy evidence experiment (docs/evidence.md, april_workbench/experiments/evidence.py).
 
-    .venv/bin/python scripts/cpu_evidence.py            # docs/evidence.png + .json
+    .venv/bin/python scripts/cpu_evidence.py            # docs/results/evidence.png + .json
     .venv/bin/python scripts/cpu_evidence.py --lr 3e-3 --name evidence_stress
 
 Writes <out-dir>/<name>.png and <out-dir>/<name>.json (compact, see
-april_slime/workbench/experiments/result_file.py) and prints the markdown table.
+workbench/april_workbench/experiments/result_file.py) and prints the markdown table.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
-from april_slime.workbench.experiments import evidence, result_file, summary
+from april_workbench.experiments import evidence, result_file, summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
                         choices=list(evidence.METHODS))
     parser.add_argument("--workers", type=int, default=2,
                         help="processes, one torch thread each (1 = run in this process)")
-    parser.add_argument("--out-dir", type=Path, default=Path("docs"))
+    parser.add_argument("--out-dir", type=Path, default=Path("docs/results"))
     parser.add_argument("--name", default="evidence",
                         help="file stem of the outputs: <out-dir>/<name>.png and <name>.json")
     for f in fields(evidence.EvidenceSettings):

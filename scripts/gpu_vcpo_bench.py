@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU step time and peak memory of VCPO's loss side against a packed variable-length plain step.
 
-The variants of ``april_slime.workbench.vcpo_timing`` on a random-init decoder (~0.45B parameters
+The variants of ``april_workbench.vcpo_timing`` on a random-init decoder (~0.45B parameters
 in bf16 by default) with ``--samples`` variable-length samples packed into ``--tokens`` positions,
 attention per sample (the FLOPs of a varlen kernel, no dense T x T mask):
 
@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vcpo_overhead import commit  # noqa: E402
 
-from april_slime.workbench.vcpo_timing import CONFIGS, VARIANTS, build  # noqa: E402
+from april_workbench.vcpo_timing import CONFIGS, VARIANTS, build  # noqa: E402
 
 
 def timed_step(runner, variant, device) -> tuple[float, float | None]:

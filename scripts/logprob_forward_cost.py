@@ -7,7 +7,7 @@ forward). This measures, interleaved in one run on the decoder of scripts/vcpo_o
 step (forward + loss + backward) and that extra forward, and reports the step time with the
 recompute relative to the step without it.
 
-    python scripts/logprob_forward_cost.py --out docs/logprob_forward_cost_cpu.json
+    python scripts/logprob_forward_cost.py --out docs/results/logprob_forward_cost_cpu.json
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from april_slime.workbench.vcpo_timing import CONFIG, build, per_sample_log_probs
+from april_workbench.vcpo_timing import CONFIG, build, per_sample_log_probs
 
 
 def main(argv=None) -> dict:

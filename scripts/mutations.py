@@ -135,8 +135,8 @@ MUTATIONS: list[Mutation] = [
              "version reported at the end of the call)",
         edits=(Edit(
             "april_slime/core/work.py",
-            "t.append(result.output_ids, result.logprobs, int(result.weight_version), result.version_runs)",
-            "t.append(result.output_ids, result.logprobs, int(result.weight_version))",
+            "t.append(result.output_ids, result.logprobs, int(result.weight_version), result.version_runs,",
+            "t.append(result.output_ids, result.logprobs, int(result.weight_version), None,",
         ),),
         tests=(
             "tests/test_scheduler.py::test_weights_changed_mid_call_give_exact_per_token_versions",
@@ -500,7 +500,8 @@ def check_mutation(m: Mutation, root: Path, args, workdir: Path, log) -> Result:
     extra = shlex.split(args.pytest_args)
     result = Result(m)
     start = time.monotonic()
-    pythonpath = [root] if root != REPO else []
+    # the copy's plugin and workbench first, so the tests import neither from the checkout
+    pythonpath = [root, root / "workbench"] if root != REPO else []
     original_slime = None
     with Mutated(root, m):
         if m.patches_slime:

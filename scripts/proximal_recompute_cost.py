@@ -16,7 +16,7 @@ recompute / auto, and slime's own (wall-clock) timers of that rollout (``perf/lo
 The model is the training tier's token-wise model, made deeper and wider so that compute, not
 Python, dominates (``--dim``, ``--depth``); a transformer's forward is a larger share of its step.
 
-    python scripts/proximal_recompute_cost.py --out docs/proximal_recompute_cost_cpu.json
+    python scripts/proximal_recompute_cost.py --out docs/results/proximal_recompute_cost_cpu.json
 """
 
 from __future__ import annotations

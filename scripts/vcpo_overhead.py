@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU cost of VCPO's loss side against a packed variable-length plain step, as ratios in one run.
 
-The variants of ``april_slime.workbench.vcpo_timing`` (one optimizer step's forward, loss and
+The variants of ``april_workbench.vcpo_timing`` (one optimizer step's forward, loss and
 backward until the gradient is ready) on one decoder of Qwen3-like proportions and one batch of
 ``samples`` variable-length samples packed into ``tokens`` positions:
 
@@ -19,7 +19,7 @@ other jobs the wall clock also counts the time the step waited for a core, the C
 work (run it with ``--threads 1``, so that no thread spins while another works). Both clocks are
 recorded either way. ``--memory`` adds each variant's peak RSS, measured in a fresh child process.
 
-    python scripts/vcpo_overhead.py --config cpu_16k --memory --out docs/vcpo_overhead_cpu.json
+    python scripts/vcpo_overhead.py --config cpu_16k --memory --out docs/results/vcpo_overhead_cpu.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from april_slime.workbench.vcpo_timing import CONFIGS, VARIANTS, build
+from april_workbench.vcpo_timing import CONFIGS, VARIANTS, build
 
 
 def commit() -> str | None:

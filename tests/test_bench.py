@@ -7,8 +7,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from april_slime.workbench import bench
-from april_slime.workbench.bench import (
+from april_workbench import bench
+from april_workbench.bench import (
     ENGINE_PRESETS,
     Workload,
     apply_overrides,
@@ -17,8 +17,8 @@ from april_slime.workbench.bench import (
     plan,
     run_benchmark,
 )
-from april_slime.workbench.cli import main as cli_main
-from april_slime.workbench.emulator import SyntheticLM
+from april_workbench.cli import main as cli_main
+from april_workbench.emulator import SyntheticLM
 
 REQUIRED = {"throughput_tokens_per_s": float, "utilization": float, "offpolicy_token_fraction": float,
             "max_staleness": int, "recomputed_tokens": int, "discarded_tokens": int}

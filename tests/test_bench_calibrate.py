@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from april_slime.workbench.bench import EngineSpec, Workload, run_benchmark
-from april_slime.workbench.bench.calibrate import engine_spec, measure
-from april_slime.workbench.bench.calibrate import main as calibrate_main
-from april_slime.workbench.emulator import EmulatorCluster, EngineConfig, TimeModel, run_virtual
+from april_workbench.bench import EngineSpec, Workload, run_benchmark
+from april_workbench.bench.calibrate import engine_spec, measure
+from april_workbench.bench.calibrate import main as calibrate_main
+from april_workbench.emulator import EmulatorCluster, EngineConfig, TimeModel, run_virtual
 
 TRUTH = TimeModel(decode_t0=0.03, decode_per_request=0.004, decode_per_kv_token=4e-6,
                   prefill_t0=0.02, prefill_per_token=2e-5)
@@ -75,8 +75,8 @@ def test_engine_spec_json_rejects_unknown_keys(tmp_path):
 
 
 def test_default_grid_reaches_the_bench_regime():
-    from april_slime.workbench.bench import ENGINE_PRESETS
-    from april_slime.workbench.bench.calibrate import plan_grid
+    from april_workbench.bench import ENGINE_PRESETS
+    from april_workbench.bench.calibrate import plan_grid
 
     preset = ENGINE_PRESETS["h100-qwen3-4b"]  # the headline: ~250 requests, ~0.7M KV tokens per engine
     points = plan_grid(None, None, capacity=preset.kv_capacity(), max_running=1024, context_len=40960,
@@ -104,7 +104,7 @@ def test_spec_counts_every_gpu_of_an_engine():
 
 
 def test_fit_report_states_the_extrapolation_error():
-    from april_slime.workbench.bench.calibrate import fit_report
+    from april_workbench.bench.calibrate import fit_report
 
     rows = [[1.0, b, k] for b, k in [(1, 100), (4, 2000), (16, 8000), (64, 40000), (256, 600000)]]
     linear = [0.003 + 2e-6 * b + 1e-8 * k for _, b, k in rows]

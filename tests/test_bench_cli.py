@@ -2,9 +2,9 @@
 
 import pytest
 
-from april_slime.workbench.bench import EngineSpec, Workload, apply_overrides
-from april_slime.workbench.bench.cli import main
-from april_slime.workbench.bench.spec import ENGINE_PRESETS
+from april_workbench.bench import EngineSpec, Workload, apply_overrides
+from april_workbench.bench.cli import main
+from april_workbench.bench.spec import ENGINE_PRESETS
 
 
 def test_set_with_a_value_of_the_wrong_type_names_key_and_value(capsys):

@@ -1,4 +1,4 @@
-"""The bench's figures in README.md and docs/bench.md are what their JSON renders.
+"""The bench's figures in docs/results.md, docs/calibration.md and docs/bench.md are what their JSON renders.
 
 Every generated block (``<!-- bench-report KIND PATH -->``) must equal ``april-slime bench report``'s
 rendering of the JSON the bench command wrote; a figure typed by hand, or a JSON rerun without its
@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from april_slime.workbench.bench import docs_report
-from april_slime.workbench.bench.docs_report import check, render, reproduce_counts, update
+from april_workbench.bench import docs_report
+from april_workbench.bench.docs_report import check, render, reproduce_counts, update
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # Which blocks each document must carry: removing one is as wrong as editing it.
 REQUIRED = {
-    "README.md": {"headline", "reproduce-summary", "multi-turn", "bounds"},
+    "docs/results.md": {"headline", "multi-turn", "bounds"},
+    "docs/calibration.md": {"reproduce-summary"},
     "docs/bench.md": {"headline", "reproduce-table", "reproduce-statistics", "reproduce-absolute", "fit",
                       "cpu-engine", "multi-turn", "bounds"},
 }
@@ -34,18 +35,18 @@ def test_documents_match_their_json(document):
 
 def test_a_changed_figure_or_json_is_caught(tmp_path):
     shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("*.png"))
-    doc = "# x\n<!-- bench-report headline docs/bench_headline.json -->\nstale\n<!-- /bench-report -->\n"
+    doc = "# x\n<!-- bench-report headline docs/results/bench_headline.json -->\nstale\n<!-- /bench-report -->\n"
     text = update(doc, str(tmp_path))
     assert check(text, str(tmp_path)) == [] and "stale" not in text
     # a hand-edited figure
-    copris = json.loads((tmp_path / "docs/bench_headline.json").read_text())["band"]["policies"]["copris"]
+    copris = json.loads((tmp_path / "docs/results/bench_headline.json").read_text())["band"]["policies"]["copris"]
     typed = text.replace(f"**{copris['ratio_to_sync']:.2f}x**", f"**{copris['ratio_to_sync'] + 0.01:.2f}x**", 1)
-    assert typed != text and check(typed, str(tmp_path)) == ["headline docs/bench_headline.json"]
+    assert typed != text and check(typed, str(tmp_path)) == ["headline docs/results/bench_headline.json"]
     # a JSON rerun without its document
-    data = json.loads((tmp_path / "docs/bench_headline.json").read_text())
+    data = json.loads((tmp_path / "docs/results/bench_headline.json").read_text())
     data["band"]["policies"]["copris"]["ratio_to_sync_max"] = 3.0
-    (tmp_path / "docs/bench_headline.json").write_text(json.dumps(data))
-    assert check(text, str(tmp_path)) == ["headline docs/bench_headline.json"]
+    (tmp_path / "docs/results/bench_headline.json").write_text(json.dumps(data))
+    assert check(text, str(tmp_path)) == ["headline docs/results/bench_headline.json"]
 
 
 def test_reproduce_counts_are_computed():
@@ -58,45 +59,46 @@ def test_reproduce_counts_are_computed():
 
 def test_bad_blocks_are_named():
     with pytest.raises(ValueError, match="unknown"):
-        render("no-such-table", ["docs/bench_headline.json"], str(ROOT))
+        render("no-such-table", ["docs/results/bench_headline.json"], str(ROOT))
     with pytest.raises(ValueError, match="has no"):
-        docs_report.blocks("<!-- bench-report headline docs/bench_headline.json -->\nno end\n")
+        docs_report.blocks("<!-- bench-report headline docs/results/bench_headline.json -->\nno end\n")
 
 
 def test_an_empty_block_is_found_empty():
-    text = "x\n<!-- bench-report headline docs/bench_headline.json -->\n<!-- /bench-report -->\ny\n"
+    text = "x\n<!-- bench-report headline docs/results/bench_headline.json -->\n<!-- /bench-report -->\ny\n"
     [(kind, paths, start, end)] = docs_report.blocks(text)
-    assert kind == "headline" and paths == ["docs/bench_headline.json"] and start == end
+    assert kind == "headline" and paths == ["docs/results/bench_headline.json"] and start == end
 
 
-def test_readme_vcpo_cpu_figures_are_the_json_and_unbacked_figures_are_gone():
-    """The README's VCPO CPU overhead is what docs/vcpo_overhead_cpu.json holds; figures no
+def test_results_vcpo_cpu_figures_are_the_json_and_unbacked_figures_are_gone():
+    """docs/results.md's VCPO CPU overhead is what docs/results/vcpo_overhead_cpu.json holds; figures no
     committed JSON of the current code backs (the old H100 ratios, the real-SGLang policy timing)
     are not quoted."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    rows = {r["variant"]: r for r in json.loads((ROOT / "docs/vcpo_overhead_cpu.json").read_text())["rows"]}
+    readme = (ROOT / "docs/results.md").read_text(encoding="utf-8")
+    rows = {r["variant"]: r for r in json.loads((ROOT / "docs/results/vcpo_overhead_cpu.json").read_text())["rows"]}
     for variant in ("opob_packed", "opob_single"):
         r = rows[variant]
         quoted = f"{r['ratio_to_plain_median']:.2f}x the plain\nstep's time" if variant == "opob_packed" else \
             f"{r['ratio_to_plain_median']:.2f}x at {r['peak_rss_ratio_to_plain']:.2f}x"
-        assert quoted in readme, f"README lacks the {variant} figures of the JSON ({quoted!r})"
+        assert quoted in readme, f"docs/results.md lacks the {variant} figures of the JSON ({quoted!r})"
     assert f"at {rows['opob_packed']['peak_rss_ratio_to_plain']:.2f}x its peak memory" in readme
     for unbacked in ("1.32x step", "7.9x at 4K", "2.2x\nthe step time", "(1.91x", "(2.45x"):
-        assert unbacked not in readme, f"README quotes {unbacked!r}, which no committed JSON of this code backs"
+        assert unbacked not in readme, (f"docs/results.md quotes {unbacked!r}, which no committed JSON of this "
+                                        "code backs")
 
 
 def test_rows_with_the_training_fit_run_as_an_arm_are_partly_fitted():
     """The training phase is fitted on CoPRIS tab. 2's N' = 1024 run; a row published as held out
     with that run as an arm is counted apart, in the code and in the committed JSON alike; the
     length statistics a law is solved to meet are flagged as inputs."""
-    from april_slime.workbench.bench.reproduce import PARTLY_FITTED, SOLVED_STATISTICS, rows, tab2_reference
+    from april_workbench.bench.reproduce import PARTLY_FITTED, SOLVED_STATISTICS, rows, tab2_reference
 
     table = rows()
     ref = tab2_reference()
     marked = {r.name for r in table if r.role == PARTLY_FITTED}
     assert marked == {r.name for r in table if r.role != "fit" and ref in (r.numerator, r.denominator)}
     assert len(marked) == 5 and not any("Distill-Qwen-7B" in name for name in marked)
-    data = json.loads((ROOT / "docs/bench_reproduce.json").read_text())
+    data = json.loads((ROOT / "docs/results/bench_reproduce.json").read_text())
     assert {r["name"]: r["role"] for r in data["rows"]} == {r.name: r.role for r in table}
     assert {s["name"] for s in data["statistics"] if s.get("solved")} == set(SOLVED_STATISTICS)
     assert reproduce_counts(data["rows"])["partly fitted"]["rows"] == 5
@@ -106,7 +108,7 @@ def test_the_bounds_table_is_its_json(tmp_path):
     """The staleness-bounds table renders the committed band: a changed share of the gain kept or
     a fallback that threw tokens away shows up as a document that no longer matches."""
     shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("*.png"))
-    path = "docs/bench_multiturn_bounds.json"
+    path = "docs/results/bench_multiturn_bounds.json"
     text = update(f"<!-- bench-report bounds {path} -->\n<!-- /bench-report -->\n", str(tmp_path))
     data = json.loads((tmp_path / path).read_text())
     band = data["band"]["multi_turn"]

@@ -5,11 +5,11 @@ import asyncio
 
 import pytest
 
-from april_slime.workbench.bench.spec import ENGINE_PRESETS
-from april_slime.workbench.emulator import EngineConfig, SyntheticLM, TimeModel, run_virtual
-from april_slime.workbench.emulator.batching import EmulatedEngine
-from april_slime.workbench.emulator.model import SampleProfile
-from april_slime.workbench.emulator.request import _Request
+from april_workbench.bench.spec import ENGINE_PRESETS
+from april_workbench.emulator import EngineConfig, SyntheticLM, TimeModel, run_virtual
+from april_workbench.emulator.batching import EmulatedEngine
+from april_workbench.emulator.model import SampleProfile
+from april_workbench.emulator.request import _Request
 
 NEVER_STOPS = SyntheticLM(seed=0)
 

@@ -8,14 +8,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from april_slime.workbench.bench import ENGINE_PRESETS, Workload, run_benchmark
-from april_slime.workbench.bench.dispatch import SplitDispatch
-from april_slime.workbench.bench.fit import step_seconds, verl_training
-from april_slime.workbench.bench.laws import solve, statistics, with_fields
-from april_slime.workbench.bench.reproduce import dapo_arm, published_statistic
-from april_slime.workbench.bench.runner import _carried_tokens, run_policy
-from april_slime.workbench.emulator import run_virtual
-from april_slime.workbench.emulator.model import LengthModel
+from april_workbench.bench import ENGINE_PRESETS, Workload, run_benchmark
+from april_workbench.bench.dispatch import SplitDispatch
+from april_workbench.bench.fit import step_seconds, verl_training
+from april_workbench.bench.laws import solve, statistics, with_fields
+from april_workbench.bench.reproduce import dapo_arm, published_statistic
+from april_workbench.bench.runner import _carried_tokens, run_policy
+from april_workbench.emulator import run_virtual
+from april_workbench.emulator.model import LengthModel
 
 
 def tiny(**kw):

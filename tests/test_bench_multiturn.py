@@ -15,13 +15,13 @@ from dataclasses import replace
 
 import pytest
 
-from april_slime.workbench.bench import ENGINE_PRESETS, Workload
-from april_slime.workbench.bench.band import Variant
-from april_slime.workbench.bench.multiturn import EpisodeDriver, plan_episode
-from april_slime.workbench.bench.multiturn_report import flat_twin, run_pair_band
-from april_slime.workbench.bench.runner import run_policy
-from april_slime.workbench.cli import main as cli_main
-from april_slime.workbench.emulator import SyntheticLM, run_virtual
+from april_workbench.bench import ENGINE_PRESETS, Workload
+from april_workbench.bench.band import Variant
+from april_workbench.bench.multiturn import EpisodeDriver, plan_episode
+from april_workbench.bench.multiturn_report import flat_twin, run_pair_band
+from april_workbench.bench.runner import run_policy
+from april_workbench.cli import main as cli_main
+from april_workbench.emulator import SyntheticLM, run_virtual
 
 TOOL_TOKENS = 8
 

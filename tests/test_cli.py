@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from april_slime.workbench import cli
+from april_workbench import cli
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -101,7 +101,7 @@ def _ctrl_c_as_in_a_terminal() -> None:
 
 
 def test_emulator_still_serves_on_free_ports():
-    proc = subprocess.Popen([sys.executable, "-m", "april_slime.workbench.cli", "emulator", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "april_workbench.cli", "emulator", "--port", "0",
                              "--engines", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_ctrl_c_as_in_a_terminal)

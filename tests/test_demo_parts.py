@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from april_slime.workbench.demo import cli, task
-from april_slime.workbench.demo.loop import QUICK, DemoSettings
-from april_slime.workbench.demo.policy import PolicySpec, demonstration
-from april_slime.workbench.demo.trainer import group_advantages, sample_mean_reducer
+from april_workbench.demo import cli, task
+from april_workbench.demo.loop import QUICK, DemoSettings
+from april_workbench.demo.policy import PolicySpec, demonstration
+from april_workbench.demo.trainer import group_advantages, sample_mean_reducer
 
 
 def test_score_needs_exact_answer_and_stop():
@@ -103,7 +103,7 @@ def test_time_to_reward_is_the_first_evaluation_at_target():
 
 
 def test_cli_says_what_is_missing_without_the_real_stack(monkeypatch, capsys):
-    monkeypatch.setattr("april_slime.workbench.localstack.real_stack_missing", lambda: "SGLang is not installed (here)")
+    monkeypatch.setattr("april_workbench.localstack.real_stack_missing", lambda: "SGLang is not installed (here)")
     assert cli.main(["--quick"]) == 2
     assert "needs the real-stack environment: SGLang is not installed (here)" in capsys.readouterr().err
 
@@ -114,7 +114,7 @@ def test_a_shared_prompt_prefix_runs_once_with_the_same_loss_and_gradients():
     transformers = pytest.importorskip("transformers")
     import random
 
-    from april_slime.workbench.demo.policy import SHARED_PREFIX_MIN, _padded, sft_loss, shared_prefix
+    from april_workbench.demo.policy import SHARED_PREFIX_MIN, _padded, sft_loss, shared_prefix
 
     torch.manual_seed(0)
     config = transformers.Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -149,7 +149,7 @@ def test_a_shared_prompt_prefix_runs_once_with_the_same_loss_and_gradients():
 
 # ------------------------------------------------------------------ the tool task
 def test_tool_task_scores_the_last_answer_and_calculates_products_only():
-    from april_slime.workbench.demo import tool_task
+    from april_workbench.demo import tool_task
 
     assert tool_task.score("<calc>12*3</calc><result>36</result><answer>36</answer>", "36") == 1.0
     assert tool_task.score("<answer>35</answer><answer>36</answer>", "36") == 1.0
@@ -164,7 +164,7 @@ def test_tool_task_scores_the_last_answer_and_calculates_products_only():
 def test_tool_task_demonstrations_call_the_tool_or_guess_within_the_budget():
     import random
 
-    from april_slime.workbench.demo import tool_task
+    from april_workbench.demo import tool_task
 
     # the demo's character tokenizer is a transformers tokenizer (the real-stack environment has it)
     for module in ("tokenizers", "transformers"):
@@ -191,8 +191,8 @@ def test_tool_task_demonstrations_call_the_tool_or_guess_within_the_budget():
 
 
 def test_tool_task_prompt_file_and_settings(tmp_path):
-    from april_slime.workbench.demo import tool_task
-    from april_slime.workbench.demo.loop import TOOL_QUICK
+    from april_workbench.demo import tool_task
+    from april_workbench.demo.loop import TOOL_QUICK
 
     spec = tool_task.ToolPolicySpec()
     rows = [json.loads(line) for line in tool_task.write_prompts(tmp_path / "p.jsonl", 40, spec, 1).read_text()

@@ -17,8 +17,8 @@ from april_slime.core.scheduler import RolloutScheduler
 from april_slime.core.sglang_protocol import EngineError, RequestRejected
 from april_slime.core.transport import TransportHTTPError
 from april_slime.core.types import Group, Trajectory
-from april_slime.workbench.emulator.testing import start_cluster
-from april_slime.workbench.emulator.vclock import run_virtual
+from april_workbench.emulator.testing import start_cluster
+from april_workbench.emulator.vclock import run_virtual
 
 ROUTER = "http://router:1"
 E1, E2 = "http://e1:2", "http://e2:3"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from april_slime.core.transport import TransportHTTPError
-from april_slime.workbench.emulator import (
+from april_workbench.emulator import (
     EngineConfig,
     LengthModel,
     SyntheticLM,
@@ -23,7 +23,7 @@ from april_slime.workbench.emulator import (
     run_virtual,
     start_cluster,
 )
-from april_slime.workbench.emulator.model import prompt_key
+from april_workbench.emulator.model import prompt_key
 
 SHORT = LengthModel.preset("short")
 LONG = LengthModel(kind="max-length")
@@ -575,7 +575,7 @@ async def test_emulator_replies_like_sglang_0_5_23_field_by_field():
     SGLang 0.5.23 CPU engine (scripts/real-stack/record_golden.py): every field, its type, the
     finish reasons, error bodies word for word, empty abort bodies, queued-abort replies without
     prompt_tokens, weight_versions spans, /model_info's version after a weight update, 404s."""
-    from april_slime.workbench.emulator.testing import golden_differences, golden_replies
+    from april_workbench.emulator.testing import golden_differences, golden_replies
 
     recorded = json.loads(GOLDEN.read_text())
     want = recorded["scenarios"]
@@ -608,8 +608,8 @@ def test_a_starved_engine_catches_up_unless_its_lag_is_bounded(max_lag_s):
     the lost time as its own pause and has produced almost nothing when the loop comes back."""
     import time as wall
 
-    from april_slime.workbench.emulator import EngineConfig, TimeModel
-    from april_slime.workbench.emulator.batching import EmulatedEngine
+    from april_workbench.emulator import EngineConfig, TimeModel
+    from april_workbench.emulator.batching import EmulatedEngine
 
     async def main():
         config = EngineConfig(time=TimeModel(decode_t0=0.01), kv_capacity_tokens=100_000, max_lag_s=max_lag_s)

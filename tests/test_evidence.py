@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from april_slime.workbench.experiments import evidence, result_file, summary
+from april_workbench.experiments import evidence, result_file, summary
 
 TINY = evidence.EvidenceSettings(
     num_digits=3, d_model=16, n_heads=2, n_layers=1, sft_steps=3, sft_batch_size=16,

@@ -3,8 +3,8 @@ import socket
 
 import pytest
 
-from april_slime.workbench import localstack
-from april_slime.workbench.localstack import ENGINE_PORT_LIMIT, LocalEngine, free_port
+from april_workbench import localstack
+from april_workbench.localstack import ENGINE_PORT_LIMIT, LocalEngine, free_port
 
 
 def test_an_engine_port_leaves_room_for_the_grpc_port_sglang_derives(monkeypatch, tmp_path):

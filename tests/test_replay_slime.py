@@ -15,7 +15,7 @@ import pytest
 from april_slime import rollout
 from april_slime.core.config import AprilConfigError
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
-from april_slime.workbench.emulator.replay import EmulatedReplay
+from april_workbench.emulator.replay import EmulatedReplay
 from tests.support.slime_jobs import Cluster, make_args, point_at
 
 REPLAY = EmulatedReplay(layers=2, topk=2, num_experts=8, top_p_ids=True, seed=0)

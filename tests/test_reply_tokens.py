@@ -23,7 +23,7 @@ from april_slime.core.sglang_protocol import (
     output_tokens,
 )
 from april_slime.core.transport import decode_json
-from april_slime.workbench.bench import decode
+from april_workbench.bench import decode
 from tests.support.reply_tokens import MUTATIONS, VOCAB, WHERE, base_reply, mutated, outcome
 
 

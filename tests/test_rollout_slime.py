@@ -186,7 +186,7 @@ def test_the_first_step_waits_until_the_router_lists_every_engine_slime_started(
     at the first read and one of the two at the next three (a list that holds still): the first
     step must wait for both (the count slime's --rollout-num-gpus / --rollout-num-gpus-per-engine
     imply), not fail or start on one."""
-    from april_slime.workbench.emulator.server import RouterHandler
+    from april_workbench.emulator.server import RouterHandler
 
     handle = RouterHandler.handle
     reads: list[int] = []

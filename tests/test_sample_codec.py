@@ -28,7 +28,7 @@ import pytest
 
 from april_slime import rollout, samples
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
-from april_slime.workbench.emulator.request import _RUNNING
+from april_workbench.emulator.request import _RUNNING
 from tests.support.slime_jobs import Cluster, make_args, point_at
 
 ROLLOUTS = 3

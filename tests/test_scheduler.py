@@ -16,8 +16,8 @@ from april_slime.core.scheduler import PromptsExhausted, RolloutScheduler, Rollo
 from april_slime.core.sglang_protocol import EngineLoad, EngineUnavailable, GenerateResult, RequestRejected
 from april_slime.core.transport import HttpTransport
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
-from april_slime.workbench.emulator.testing import start_cluster
-from april_slime.workbench.emulator.vclock import run_virtual
+from april_workbench.emulator.testing import start_cluster
+from april_workbench.emulator.vclock import run_virtual
 
 PROMPT_LEN = 4
 

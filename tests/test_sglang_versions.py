@@ -24,7 +24,7 @@ from april_slime.core.sglang_protocol import (
     parse_weight_version,
 )
 from april_slime.core.transport import TransportHTTPError
-from april_slime.workbench.emulator.testing import golden_differences
+from april_workbench.emulator.testing import golden_differences
 
 DATA = Path(__file__).resolve().parent / "data"
 VERSIONS = ("0.5.23", "0.5.15.post1")

@@ -116,7 +116,7 @@ def ignore_unmatchable_stop_strings(monkeypatch) -> None:
     stop string holding any other character can never match: SGLang would generate exactly what it
     generates without it. Such strings are taken out before the emulator parses the request; any
     other stop string is still refused."""
-    from april_slime.workbench.emulator import server
+    from april_workbench.emulator import server
 
     parse = server.parse_generate
 
@@ -136,7 +136,7 @@ def _agent_cluster(monkeypatch, replay=None) -> Cluster:
     call often stops (EOS) inside its short budget, whatever its prompt's length, so the functions go on
     to their next turn; the default length model measures from position 0 and would end the long
     multi-turn prompts at once or never."""
-    from april_slime.workbench.emulator.model import LengthModel
+    from april_workbench.emulator.model import LengthModel
 
     ignore_unmatchable_stop_strings(monkeypatch)
 
@@ -157,7 +157,7 @@ def agent_cluster(slime_mode, monkeypatch):
 @pytest.fixture
 def top_p_agent_cluster(slime_mode, monkeypatch):
     """The same engines, also returning top-p kept ids as SGLang with slime's top-p patch does."""
-    from april_slime.workbench.emulator.replay import EmulatedReplay
+    from april_workbench.emulator.replay import EmulatedReplay
 
     c = _agent_cluster(monkeypatch, EmulatedReplay(top_p_ids=True))
     yield c

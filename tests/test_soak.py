@@ -69,9 +69,9 @@ from april_slime.core.sglang_protocol import EngineError
 from april_slime.core.transport import HttpTransport, TransportHTTPError
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.samples import sampling_seed
-from april_slime.workbench.emulator.model import LengthModel, SyntheticLM
-from april_slime.workbench.emulator.testing import start_cluster
-from april_slime.workbench.emulator.vclock import run_virtual
+from april_workbench.emulator.model import LengthModel, SyntheticLM
+from april_workbench.emulator.testing import start_cluster
+from april_workbench.emulator.vclock import run_virtual
 from tests.support import agent_functions as af
 from tests.support import slime_standin
 from tests.support.agent_functions import check_sample, expand
@@ -548,7 +548,7 @@ class EngineProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "april_slime.workbench.emulator", "--port", str(self.port), "--engines", "1",
+            [sys.executable, "-m", "april_workbench.emulator", "--port", str(self.port), "--engines", "1",
              "--seed", str(EMU_SEED), "--length-dist", "short", "--time-scale", "4"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2):  # "router URL" then "engine URL" once it serves

@@ -24,10 +24,10 @@ from april_slime.core.sglang_protocol import (
     output_tokens,
     parse_generate_reply,
 )
-from april_slime.workbench.bench import ENGINE_PRESETS, SyntheticPrompts, Workload, run_policy
-from april_slime.workbench.emulator import EmulatorCluster, SyntheticLM, run_virtual
-from april_slime.workbench.emulator.model import LengthModel
-from april_slime.workbench.emulator.server import wire_form
+from april_workbench.bench import ENGINE_PRESETS, SyntheticPrompts, Workload, run_policy
+from april_workbench.emulator import EmulatorCluster, SyntheticLM, run_virtual
+from april_workbench.emulator.model import LengthModel
+from april_workbench.emulator.server import wire_form
 from tests.support.reply_tokens import VOCAB, WHERE, base_reply, mutated, outcome
 
 

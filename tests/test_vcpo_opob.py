@@ -207,7 +207,7 @@ def test_a_group_missing_samples_on_this_rank_is_refused_at_the_step_end():
 def test_the_timed_variants_compute_the_same_gradients():
     """What scripts/vcpo_overhead.py and scripts/gpu_vcpo_bench.py time: VCPO's two micro-batchings
     give one gradient, and so do the plain loss's (the ratios compare equal work)."""
-    from april_slime.workbench.vcpo_timing import CONFIGS, VARIANTS, build
+    from april_workbench.vcpo_timing import CONFIGS, VARIANTS, build
 
     runner = build(CONFIGS["tiny"], dtype=torch.float64)
     grads = {}

@@ -17,7 +17,7 @@ REPO="$(cd -- "${HERE_CPU}/../.." && pwd)"
 # ---------------------------------------------------------------- hardware block: CPU
 # The model's shape, read from the checkpoint's HF config (slime's model scripts spell it out by
 # hand for the released models).
-HF_CHECKPOINT=${HF_CHECKPOINT:?HF_CHECKPOINT must name a small Qwen3 (april_slime.workbench.tiny_qwen3.build_tiny_qwen3 builds one)}
+HF_CHECKPOINT=${HF_CHECKPOINT:?HF_CHECKPOINT must name a small Qwen3 (april_workbench.tiny_qwen3.build_tiny_qwen3 builds one)}
 mapfile -t MODEL_ARGS < <(python3 - "${HF_CHECKPOINT}/config.json" <<'EOF'
 import json, sys
 c = json.load(open(sys.argv[1]))

@@ -38,9 +38,9 @@ from pathlib import Path
 import yaml
 
 from april_slime import rollout
-from april_slime.workbench.localstack import local_stack, real_stack_missing
-from april_slime.workbench.rollout_manager import SlimeRolloutManager, slime_args
-from april_slime.workbench.tiny_qwen3 import build_tiny_qwen3
+from april_workbench.localstack import local_stack, real_stack_missing
+from april_workbench.rollout_manager import SlimeRolloutManager, slime_args
+from april_workbench.tiny_qwen3 import build_tiny_qwen3
 
 POLICIES = ("sync", "april", "copris")  # the default arms, direct dispatch
 

@@ -22,9 +22,9 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from april_slime.workbench.emulator.testing import golden_replies
-from april_slime.workbench.localstack import LocalEngine, real_stack_missing
-from april_slime.workbench.tiny_qwen3 import build_tiny_qwen3
+from april_workbench.emulator.testing import golden_replies
+from april_workbench.localstack import LocalEngine, real_stack_missing
+from april_workbench.tiny_qwen3 import build_tiny_qwen3
 
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
 

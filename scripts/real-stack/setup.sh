@@ -91,7 +91,11 @@ printf '%s\n' "$base_site" > "$site/april_real_stack.pth"
 printf '%s\n' "$old_sglang/bin/python" > "$venv/sglang-0.5.15.post1-python"
 
 vpip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+# The plugin, then the workbench beside it (its own distribution: workbench/pyproject.toml, which
+# owns the `april-slime` command). Two calls, in this order: reinstalling a plugin from before the
+# split removes the command its old record lists, and the workbench's install puts it back.
 "${vpip[@]}" --no-deps -e "$repo"
+"${vpip[@]}" --no-deps -e "$repo/workbench"
 "${vpip[@]}" -c "$here/constraints-cpu.txt" pytest pytest-asyncio pytest-timeout matplotlib ruff==0.17.6
 
 slime_src="${SLIME_DIR:-}"

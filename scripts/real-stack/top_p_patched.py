@@ -32,9 +32,9 @@ import yaml
 
 from april_slime import rollout
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
-from april_slime.workbench.localstack import local_stack
-from april_slime.workbench.rollout_manager import SlimeRolloutManager, slime_args
-from april_slime.workbench.tiny_qwen3 import build_tiny_qwen3
+from april_workbench.localstack import local_stack
+from april_workbench.rollout_manager import SlimeRolloutManager, slime_args
+from april_workbench.tiny_qwen3 import build_tiny_qwen3
 
 REPO = Path(__file__).resolve().parents[2]
 PATCHES = ("sglang.patch", "sglang-top_p.patch")  # slime's docker/Dockerfile applies them in this order

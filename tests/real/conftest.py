@@ -99,7 +99,7 @@ def real_stack(tmp_path_factory) -> RealStack:
 
     reuse = os.environ.get("APRIL_REAL_REUSE")
     if reuse:
-        # development: `python -m april_slime.localstack --tiny DIR` already serves DIR; DIR-b holds
+        # development: `python -m april_workbench.localstack --tiny DIR` already serves DIR; DIR-b holds
         # the second weights. APRIL_REAL_REUSE=ROUTER_URL,ENGINE_URL[;ENGINE_URL...],DIR
         router_url, engines, folder = reuse.split(",")
         fake = LocalStack(router_url, engines.split(";"), [], None)

@@ -11,9 +11,9 @@ import json
 import math
 import os
 
-from april_slime.workbench.bench import EngineSpec, Workload, run_benchmark
-from april_slime.workbench.bench.calibrate import compare
-from april_slime.workbench.bench.calibrate import main as calibrate_main
+from april_workbench.bench import EngineSpec, Workload, run_benchmark
+from april_workbench.bench.calibrate import compare
+from april_workbench.bench.calibrate import main as calibrate_main
 from tests.support.real_tier import MAX_RUNNING_REQUESTS, MAX_TOTAL_TOKENS
 
 

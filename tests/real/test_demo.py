@@ -18,7 +18,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    from april_slime.workbench.demo import cli
+    from april_workbench.demo import cli
 
     root = tmp_path_factory.mktemp("demo")
     out_json, out_png = root / "demo.json", root / "demo.png"
@@ -98,7 +98,7 @@ def _resumed_a_call(policy: str, series: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def tool_run(tmp_path_factory):
-    from april_slime.workbench.demo import cli
+    from april_workbench.demo import cli
 
     root = tmp_path_factory.mktemp("demo-tool")
     out_json = root / "demo.json"

@@ -7,7 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from april_slime.workbench.emulator.testing import golden_differences, golden_replies
+from april_workbench.emulator.testing import golden_differences, golden_replies
 from tests.support.real_tier import MAX_RUNNING_REQUESTS
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "sglang-0.5.23-golden.json"

@@ -84,7 +84,7 @@ def test_recorded_0515_replies_match_the_live_engine(old_stack):
     client to) still describes the live 0.5.15.post1 engine, scenario by scenario."""
     import asyncio
 
-    from april_slime.workbench.emulator.testing import golden_differences, golden_replies
+    from april_workbench.emulator.testing import golden_differences, golden_replies
 
     recorded = json.loads((ROOT / "tests" / "data" / f"sglang-{SGLANG_0515}-golden.json").read_text())
     assert recorded["sglang_version"] == SGLANG_0515

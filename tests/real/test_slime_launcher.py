@@ -207,7 +207,7 @@ async def test_the_plugin_waits_for_an_engine_the_real_router_lists_late(real_st
     with that engine (a single read of the list would have found none)."""
     from april_slime.core.engine import EngineClient, EngineWait
     from april_slime.core.transport import HttpTransport
-    from april_slime.workbench.localstack import LocalRouter
+    from april_workbench.localstack import LocalRouter
 
     reads = asyncio.Event()
 

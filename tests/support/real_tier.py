@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
-from april_slime.workbench.localstack import LocalStack, local_stack, real_stack_missing  # noqa: F401  (for the tests)
-from april_slime.workbench.rollout_manager import SlimeRolloutManager, slime_args  # noqa: F401  (for the tests)
-from april_slime.workbench.tiny_qwen3 import build_tiny_qwen3  # noqa: F401  (for the tests)
+from april_workbench.localstack import LocalStack, local_stack, real_stack_missing  # noqa: F401  (for the tests)
+from april_workbench.rollout_manager import SlimeRolloutManager, slime_args  # noqa: F401  (for the tests)
+from april_workbench.tiny_qwen3 import build_tiny_qwen3  # noqa: F401  (for the tests)
 
 # The tiny model's shape: long-tailed lengths at temperature 1 (EOS with probability ~1/24 per
 # token), so budgets of a few dozen tokens mix finished and truncated samples.

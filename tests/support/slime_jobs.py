@@ -68,9 +68,9 @@ class Cluster:
     """Emulated SGLang engines + router over loopback HTTP, started on slime's persistent loop."""
 
     def __init__(self, num_engines: int = 2, seed: int = 7, length=None, replay=None):
-        from april_slime.workbench.emulator.cluster import EmulatorCluster
-        from april_slime.workbench.emulator.config import EngineConfig
-        from april_slime.workbench.emulator.model import LengthModel, SyntheticLM
+        from april_workbench.emulator.cluster import EmulatorCluster
+        from april_workbench.emulator.config import EngineConfig
+        from april_workbench.emulator.model import LengthModel, SyntheticLM
 
         # short, long-tailed responses (some run to the budget), emulated 20x faster than real time;
         # ``length`` (a ``LengthModel``) replaces that response-length model

@@ -4,7 +4,7 @@ slime's ``search-r1`` and ``retool`` functions act on tags: ``<search>q</search>
 ``<answer>a</answer>`` (the end), ``<code>c</code>`` (a sandboxed Python run) and ``Answer:
 \\boxed{x}``. A random model never writes them, so their tools never run. Here a model of the real
 tier's shape and tokenizer (its weights can be pushed to the session's engines) is warm-started
-with the demo's supervised phase (``april_slime.workbench.demo.policy.supervised``) on
+with the demo's supervised phase (``april_workbench.demo.policy.supervised``) on
 demonstrations of both functions' episodes:
 
 * search-r1: ``Question: who wrote book 12?`` -> ``<think> five two </think>`` ``<search> book 12
@@ -116,8 +116,8 @@ def build_tag_policies(root: Path, tokenizer: Any, search: Any, retool: Any, *, 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from april_slime.workbench.demo.policy import supervised
-    from april_slime.workbench.tiny_qwen3 import build_tiny_qwen3
+    from april_workbench.demo.policy import supervised
+    from april_workbench.tiny_qwen3 import build_tiny_qwen3
 
     a, b = root / "A", root / "B"
     build_tiny_qwen3(a, tokenizer=tokenizer, seed=seed)

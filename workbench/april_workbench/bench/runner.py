@@ -1,0 +1,581 @@
+"""One policy run on a fresh emulated cluster, its steady-state summary, and whole benchmarks
+(``run_jobs``: independent runs in worker processes, also for ``band`` and ``reproduce``)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from april_slime.core.buffer import PartialBuffer
+from april_slime.core.config import AprilConfig
+from april_slime.core.engine import EngineClient
+from april_slime.core.scheduler import assemble_scheduler
+from april_slime.core.transport import HttpTransport
+from april_slime.core.types import Group
+from april_workbench.emulator import EmulatorCluster, SyntheticLM, run_virtual
+
+from .bounds import staleness_summary
+from .dispatch import SplitDispatch
+from .multiturn import EpisodeDriver, episode_length_stats, episode_summary
+from .spec import EngineSpec
+from .workloads import MODES, LengthStats, SyntheticPrompts, Workload, ideal_throughput, length_stats
+
+# ============================================================================ one policy run
+WORKLOAD_BOUND = "workload"  # run_policy / RunPoint: the workload's own max_staleness
+
+@dataclass
+class StepRecord:
+    index: int
+    version: int
+    rollout_start: float  # emulated seconds since the cluster started
+    rollout_s: float
+    train_s: float
+    metrics: dict[str, float]  # the scheduler's april/* metrics of the step
+    tracked_tokens: int = 0  # tokens generated in the step, counted per trajectory
+    context_token_sum: float = 0.0  # sum over those tokens of the context they were decoded at
+    # The buffer after the step (before the weight update): response tokens it holds and their
+    # token-weighted mean age in weight versions once the next version is live. Its stationarity
+    # is what ends the warm-up (``detect_warmup``).
+    buffer_tokens: int = 0
+    buffer_age_mean: float = 0.0
+    buffered_logprob_s: float = 0.0  # the part of train_s spent on the buffer's partials
+    train_tokens: int = 0  # prompt + response tokens of the trained batch
+    # Trained response tokens that a sample generated before an abort and resumed later (APRIL
+    # §3.2.3's "tokens carried over from truncated instances"); returned tokens in ``metrics``.
+    carried_tokens: int = 0
+    tool_wait_s: float = 0.0  # multi-turn: emulated seconds tool calls waited for a free worker
+
+
+@dataclass
+class PolicyRun:
+    """Everything measured while one policy ran ``workload.steps`` steps on a fresh cluster."""
+
+    label: str
+    policy: str
+    settings: dict[str, Any]
+    steps: list[StepRecord]
+    timeline: dict[str, list[float]]  # sampled loads: t, running, waiting, kv_used (cluster sums)
+    capacity_tokens: int  # cluster KV capacity
+    num_engines: int
+    counters: list[dict[str, float]]  # emulator counter totals at the start of every step, and at the end
+    warmup_steps: int  # steps left out of the summary (detected; at least workload.warmup_steps)
+    concurrency_history: list[tuple[float, int, str]]
+    wall_s: float
+    stationary: bool = True  # False: the buffer was still filling at the end of the run
+
+
+    @property
+    def steady_stats(self) -> dict[str, float]:
+        """Emulator counters over the steady-state steps."""
+        a, b = self.counters[self.warmup_steps], self.counters[-1]
+        return {k: b[k] - a[k] for k in _STAT_KEYS}
+
+
+def _policy_config(policy: str, workload: Workload, concurrency: int | None,
+                   over_sampling_factor: float) -> AprilConfig:
+    values: dict[str, Any] = {
+        "policy": "copris" if policy.startswith("copris") else "sync" if policy == "sync-split" else policy,
+        "over_sampling_factor": over_sampling_factor,
+        "max_staleness": workload.max_staleness,
+    }
+    if policy == "sync-oversample":
+        # slime's baseline under dynamic sampling (APRIL's DAPO arm): over-sample, abort at the
+        # target, and throw the partials away (nothing survives to the next step).
+        values.update(policy="april", max_staleness=0, stale_action="drop", return_surplus=False)
+    if policy == "copris":
+        values["concurrency"] = concurrency or workload.copris_concurrency()
+    if policy == "copris-adaptive":
+        values.update(adaptive_concurrency=True, min_concurrency=workload.n_samples_per_prompt,
+                      max_concurrency=8 * workload.samples_per_step)
+        # starts where a fixed-N' run would (CoPRIS' ratio), then steers from the engine loads
+        values["concurrency"] = concurrency or workload.copris_concurrency()
+    return AprilConfig.from_dict(values)
+
+
+_STAT_KEYS = ("busy_s", "generated_tokens", "decoded_tokens", "prefill_tokens", "recomputed_tokens",
+              "retractions", "finished_requests", "aborted_requests")
+
+
+async def _cluster_counters(transport: Any, router_url: str) -> dict[str, float]:
+    reply = await transport.request("GET", router_url, "/emulator/stats", None, 60.0)
+    return {k: float(sum(e[k] for e in reply["engines"])) for k in _STAT_KEYS}
+
+
+def _buffer_age(groups: Sequence[Group], next_version: int) -> tuple[int, float]:
+    """Response tokens held in the buffer and their token-weighted mean age (versions behind
+    ``next_version``), from each trajectory's version runs."""
+    tokens = 0
+    age_sum = 0.0
+    for group in groups:
+        for t in group.trajectories:
+            n = t.response_length
+            runs = t.version_runs
+            for i, (start, version) in enumerate(runs):
+                end = runs[i + 1][0] if i + 1 < len(runs) else n
+                tokens += end - start
+                age_sum += (end - start) * (next_version - version)
+    return tokens, (age_sum / tokens if tokens else 0.0)
+
+
+def detect_warmup(steps: Sequence[StepRecord], minimum: int = 1) -> tuple[int, bool]:
+    """Steps to leave out before the buffer's age distribution is stationary.
+
+    MSER (White's marginal standard error rule, the usual truncation rule for simulation output):
+    for each series x - the tokens the buffer holds after a step, and their mean age - the
+    truncation point d minimises the standard error of the mean of what is left,
+    sum_{j >= d} (x_j - mean_{>= d})^2 / (n - d)^2, searched over d <= n / 2. The warm-up is the
+    larger of the two, and at least ``minimum``. Returns (warm-up, stationary): not stationary
+    when a series still trends over the second half: its last two quarters differ by more than
+    twice the standard error of that difference *and* by a material amount (10% of the tokens, 0.5
+    versions of age), i.e. the run is too short to measure a steady state.
+    """
+    n = len(steps)
+    if n <= minimum + 1:
+        return min(minimum, max(0, n - 1)), False
+    warmup = minimum
+    stationary = True
+    for series, tolerance in (([s.buffer_tokens for s in steps], None),
+                              ([s.buffer_age_mean for s in steps], 0.5)):
+        x = np.asarray(series, dtype=float)
+        best: float | None = None
+        best_d = minimum
+        for d in range(minimum, max(minimum, n // 2) + 1):
+            tail = x[d:]
+            if tail.size < 2:
+                break
+            score = float(((tail - tail.mean()) ** 2).sum()) / tail.size ** 2
+            if best is None or score < best * (1.0 - 1e-9):
+                best, best_d = score, d
+        warmup = max(warmup, best_d)
+        half = x[n // 2:]
+        if half.size < 4:
+            stationary = False  # too short to tell a steady state from a trend
+        else:
+            a, b = half[: half.size // 2], half[half.size // 2:]
+            diff = abs(b.mean() - a.mean())
+            noise = 2.0 * math.sqrt(a.var(ddof=1) / a.size + b.var(ddof=1) / b.size)
+            scale = max(abs(a.mean()), abs(b.mean()))
+            material = diff > tolerance if tolerance is not None else diff > 0.1 * scale
+            if material and diff > noise:
+                stationary = False
+    return min(warmup, n - 1), stationary
+
+
+def _group_filter(workload: Workload):
+    """DAPO's dynamic sampling, emulated: a group passes (mixed rewards) with probability
+    ``filter_keep_fraction``, decided by a hash of its uid so every policy sees the same groups."""
+    keep = workload.filter_keep_fraction
+    if keep >= 1.0:
+        return None
+
+    def passes(group: Group) -> bool:
+        digest = hashlib.blake2b(f"{workload.seed}:{group.uid}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") / 2.0 ** 64 < keep
+
+    return passes
+
+
+async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSpec, *,
+                     mode: str = "virtual", time_scale: float = 1.0,
+                     concurrency: int | None = None, over_sampling_factor: float | None = None,
+                     max_response_len: int | None = None, on_step=None,
+                     driver: EpisodeDriver | None = None, token_arrays: bool = True,
+                     max_staleness: int | None | str = WORKLOAD_BOUND) -> PolicyRun:
+    """Run one policy for ``workload.steps`` rollout + training steps on a fresh emulated cluster,
+    inside the running event loop (virtual: the caller runs this under ``run_virtual``). A
+    multi-turn workload runs through an ``EpisodeDriver`` (made here unless given).
+    ``token_arrays=False`` (virtual mode) hands the client SGLang's lists instead of the engines'
+    token arrays: the same run, slower (the reference the arrays are tested against).
+    ``max_staleness``: the bound of this run (None: unbounded); by default the workload's."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    scale = 1.0 if mode == "virtual" else float(time_scale)
+    budget = max_response_len or workload.max_response_len
+    factor = over_sampling_factor if over_sampling_factor is not None else workload.over_sampling_factor
+    if max_staleness != WORKLOAD_BOUND:
+        workload = replace(workload, max_staleness=max_staleness)
+    config = _policy_config(policy, workload, concurrency, factor)
+    wall0 = time.perf_counter()
+    cluster = EmulatorCluster(
+        spec.num_engines, model=SyntheticLM(seed=workload.seed, length=workload.length_model()),
+        engine_config=spec.engine_config(time_scale=scale))
+    await cluster.start()
+    if driver is None and workload.turns_max:
+        driver = EpisodeDriver(workload, cluster.model, budget, time_scale=scale)
+    transport: Any = None
+    client = None
+    sampler = None
+    try:
+        if mode == "http":
+            await cluster.serve_http()
+            transport = HttpTransport()
+        else:
+            # Replies are built afresh per call, so the JSON round trip that guards against
+            # aliasing buys nothing here and would dominate the run time; the replies' tokens stay
+            # arrays (the same values as the wire form, without a Python object per token).
+            transport = cluster.transport(token_arrays=token_arrays)
+        if policy == "sync-split":
+            transport = SplitDispatch(transport, cluster.engine_urls, workload.rollout_batch_size)
+        # Virtual time: an emulated hour passes in a moment, so the client timeout must not be
+        # what ends a long step; over HTTP keep SGLang-like limits (in wall seconds).
+        client = EngineClient(cluster.engine_urls, transport=transport,
+                              timeout_s=1e9 if mode == "virtual" else config.request_timeout_s,
+                              max_retries=config.max_retries, retry_backoff_s=0.1)
+        buffer = PartialBuffer.from_config(config)
+        scheduler = assemble_scheduler(
+            config, client, buffer, rollout_batch_size=workload.rollout_batch_size,
+            n_samples_per_prompt=workload.n_samples_per_prompt,
+            sampling_params=driver.sampling_params if driver else {"temperature": 1.0, "top_p": 1.0},
+            controller_overrides={"cooldown_s": 10.0 / scale, "settle_s": 20.0 / scale},
+            group_filter=_group_filter(workload), episodes=driver.episodes if driver else None,
+            load_poll_interval_s=workload.load_poll_interval_s / scale,
+            abort_retry_interval_s=1.0 / scale)
+        prompts = driver.prompts if driver else SyntheticPrompts(
+            workload.prompt_len, workload.n_samples_per_prompt, budget, cluster.model.vocab_size, workload.seed)
+        timeline: dict[str, list[float]] = {"t": [], "running": [], "waiting": [], "kv_used": []}
+
+        async def sample_loads() -> None:
+            while True:
+                loads = await client.loads()
+                timeline["t"].append(cluster.now())
+                timeline["running"].append(sum(x.num_running for x in loads))
+                timeline["waiting"].append(sum(x.num_waiting for x in loads))
+                timeline["kv_used"].append(sum(x.used_tokens for x in loads))
+                await asyncio.sleep(workload.timeline_interval_s / scale)
+
+        sampler = asyncio.get_running_loop().create_task(sample_loads())
+        records: list[StepRecord] = []
+        counters: list[dict[str, float]] = []
+        version = 0
+        for index in range(workload.steps):
+            counters.append(await _cluster_counters(transport, cluster.router_url))
+            start = cluster.now()
+            wait0 = driver.agent.tool_wait_s if driver and driver.agent else 0.0
+            if driver:
+                held_before = driver.snapshot(buffer.groups())
+            else:
+                before = {t.uid: t.response_length for g in buffer.groups() for t in g.trajectories}
+            result = await scheduler.run_step(prompts, version)
+            rollout_s = cluster.now() - start
+            if driver:
+                tracked, context_sum, held, age = driver.step_done(held_before, result.groups, buffer.groups(),
+                                                                   version + 1)
+            else:
+                tracked, context_sum = _decoded_positions(before, [*result.groups, *buffer.groups()])
+                held, age = _buffer_age(buffer.groups(), version + 1)
+            trained = sum(len(t.prompt_ids) + t.response_length
+                          for g in result.groups for t in g.trajectories)
+            parts = spec.train_parts(trained, held)
+            train_s = sum(parts.values())
+            records.append(StepRecord(index, version, start, rollout_s, train_s, result.metrics,
+                                      tracked, context_sum, held, age, parts["buffered"], trained,
+                                      _carried_tokens(result.groups),
+                                      (driver.agent.tool_wait_s - wait0) if driver and driver.agent else 0.0))
+            if index == workload.steps - 1:
+                counters.append(await _cluster_counters(transport, cluster.router_url))
+            if on_step is not None:
+                on_step(records[-1])
+            # Colocated training: engines hold their state and idle, then get the new weights.
+            await asyncio.sleep(train_s / scale)
+            version += 1
+            await transport.request("POST", cluster.router_url, "/update_weight_version",
+                                    {"new_version": str(version)}, 60.0)
+        warmup, stationary = detect_warmup(records, workload.warmup_steps)
+        return PolicyRun(
+            label=label, policy=policy,
+            settings={"max_response_len": budget, "over_sampling_factor": factor,
+                      "concurrency": (config.resolved_concurrency(workload.rollout_batch_size,
+                                                                  workload.n_samples_per_prompt)
+                                      if policy.startswith("copris") else None),
+                      "mode": mode, "time_scale": scale, "max_staleness": config.max_staleness,
+                      "tool_busy_max": driver.agent.tool_busy_max if driver and driver.agent else None},
+            steps=records, timeline=timeline, capacity_tokens=spec.kv_capacity() * spec.num_engines,
+            num_engines=spec.num_engines, counters=counters, warmup_steps=warmup,
+            stationary=stationary,
+            concurrency_history=list(scheduler.controller.history) if scheduler.controller is not None else [],
+            wall_s=time.perf_counter() - wall0)
+    finally:
+        if sampler is not None:
+            sampler.cancel()
+            try:
+                await sampler
+            except (asyncio.CancelledError, Exception):
+                pass
+        if driver is not None:
+            await driver.close()  # its episodes' coroutines, before the engines they call go
+        if client is not None:
+            await client.close()
+        if transport is not None:
+            await transport.close()
+        await cluster.close()
+
+
+def _carried_tokens(groups: Sequence[Group]) -> int:
+    """Response tokens generated before the last resume of every trajectory resumed at least once
+    (its tokens span several policy versions, one per step it ran in)."""
+    return sum(sum(count for _, count in t.version_runs[:-1])
+               for g in groups for t in g.trajectories if len(t.version_runs) > 1)
+
+
+def _decoded_positions(before: dict[str, int], groups: Sequence[Group]) -> tuple[int, float]:
+    """Tokens generated in a step and the sum of the context lengths they were decoded at, from
+    each trajectory's length before and after the step (a trajectory restarted for staleness is
+    skipped: its old tokens are gone)."""
+    tokens = 0
+    context_sum = 0.0
+    for group in groups:
+        for t in group.trajectories:
+            prev, new = before.get(t.uid, 0), t.response_length
+            if new > prev:
+                d = new - prev
+                tokens += d
+                context_sum += d * len(t.prompt_ids) + (prev + new - 1) * d / 2.0
+    return tokens, context_sum
+
+
+def mix_ideal_throughput(spec: EngineSpec, mean_context: float) -> float:
+    """Ideal cluster tokens/s for tokens decoded at ``mean_context`` on average: the pool full of
+    such requests, every step (no prefill). Used to check the workload-level ideal against the mix
+    of tokens a finite run actually generated (a policy can defer expensive late-position tokens
+    into its buffer; over a short window that can beat the distribution-level ideal)."""
+    tm = spec.time_model()
+    if mean_context <= 0:
+        return 0.0
+    batch = min(float(spec.max_running_requests), spec.kv_capacity() / mean_context)
+    step = tm.decode_fixed(batch) + tm.decode_per_kv_token * batch * mean_context
+    return spec.num_engines * batch / step
+
+
+# ============================================================================ summaries
+def _steady(run: PolicyRun) -> list[StepRecord]:
+    """The steps after the warm-up (the emulator counters are read at the same boundary)."""
+    return run.steps[run.warmup_steps:]
+
+
+def _time_average(times: Sequence[float], values: Sequence[float],
+                  windows: Sequence[tuple[float, float]]) -> float:
+    """Average of a sampled step function over the union of ``windows``."""
+    if not times:
+        return 0.0
+    t = np.asarray(times)
+    v = np.asarray(values, dtype=float)
+    total = 0.0
+    length = 0.0
+    for a, b in windows:
+        if b <= a:
+            continue
+        edges = np.concatenate(([a], t[(t > a) & (t < b)], [b]))
+        idx = np.clip(np.searchsorted(t, edges[:-1], side="right") - 1, 0, len(t) - 1)
+        total += float(np.sum(v[idx] * np.diff(edges)))
+        length += b - a
+    return total / length if length > 0 else 0.0
+
+
+def summarize(run: PolicyRun, ideal_tokens_per_s: float, spec: EngineSpec | None = None) -> dict[str, Any]:
+    steps = _steady(run)
+    rollout_s = sum(s.rollout_s for s in steps)
+    m = [s.metrics for s in steps]
+    generated = sum(x["april/generated_tokens"] for x in m)
+    returned = sum(x["april/returned_tokens"] for x in m)
+    offpolicy = sum(x["april/offpolicy_token_fraction"] * x["april/returned_tokens"] for x in m)
+    trajectories = sum(x["april/returned_groups"] for x in m)
+    staleness_sum = sum(x["april/staleness_mean"] * x["april/returned_groups"] for x in m)
+    windows = [(s.rollout_start, s.rollout_start + s.rollout_s) for s in steps]
+    kv_mean = _time_average(run.timeline["t"], run.timeline["kv_used"], windows)
+    running_mean = _time_average(run.timeline["t"], run.timeline["running"], windows)
+    throughput = generated / rollout_s if rollout_s > 0 else 0.0
+    step_s = sum(s.rollout_s + s.train_s for s in steps) / len(steps)
+    stats = run.steady_stats
+    discarded = sum(x["april/discarded_tokens"] + x["april/recomputed_tokens"] for x in m)
+    tracked = sum(s.tracked_tokens for s in steps)
+    mean_context = sum(s.context_token_sum for s in steps) / tracked if tracked else 0.0
+    mix_ideal = mix_ideal_throughput(spec, mean_context) if spec is not None else 0.0
+    episodes = episode_summary(m) if "april/episodes/calls" in m[0] else {}
+    if episodes:
+        episodes["tool_wait_s_per_step"] = sum(s.tool_wait_s for s in steps) / len(steps)
+        episodes["tool_busy_max"] = run.settings.get("tool_busy_max")
+    return {
+        **episodes,
+        **staleness_summary(m),
+        "bound": run.settings.get("max_staleness"),
+        "warmup_steps": run.warmup_steps,
+        "stationary": run.stationary,
+        "throughput_tokens_per_s": throughput,
+        "utilization": throughput / ideal_tokens_per_s if ideal_tokens_per_s > 0 else 0.0,
+        "offpolicy_token_fraction": offpolicy / returned if returned else 0.0,
+        "carried_token_fraction": sum(s.carried_tokens for s in steps) / returned if returned else 0.0,
+        "max_staleness": int(max((x["april/staleness_max"] for x in m), default=0)),
+        "recomputed_tokens": int(stats["recomputed_tokens"]),
+        "discarded_tokens": int(discarded),
+        "mean_staleness": staleness_sum / trajectories if trajectories else 0.0,
+        "steps_per_hour": 3600.0 / step_s if step_s > 0 else 0.0,
+        # from the cold start, every step counted (CoPRIS fig. 3a averages its first 50 steps)
+        "steps_per_hour_all": 3600.0 * len(run.steps) / sum(s.rollout_s + s.train_s for s in run.steps),
+        "rollout_s_per_step": rollout_s / len(steps),
+        "train_s_per_step": sum(s.train_s for s in steps) / len(steps),
+        "buffered_logprob_s_per_step": sum(s.buffered_logprob_s for s in steps) / len(steps),
+        "buffer_tokens_mean": sum(s.buffer_tokens for s in steps) / len(steps),
+        "train_tokens_per_step": sum(s.train_tokens for s in steps) / len(steps),
+        "step_s": step_s,
+        "effective_throughput_tokens_per_s": returned / rollout_s if rollout_s > 0 else 0.0,
+        "ideal_tokens_per_s": ideal_tokens_per_s,
+        "mean_decode_context": mean_context,
+        "utilization_token_mix": throughput / mix_ideal if mix_ideal > 0 else 0.0,
+        "bubble_fraction": 1.0 - kv_mean / run.capacity_tokens,
+        "idle_fraction": max(0.0, 1.0 - stats["busy_s"] / (run.num_engines * rollout_s))
+        if rollout_s > 0 else 0.0,
+        "mean_running_requests": running_mean,
+        "retractions": int(stats["retractions"]),
+        "prefill_tokens": int(stats["prefill_tokens"]),
+        "generated_tokens": int(generated),
+        "trained_tokens": int(returned),
+        "concurrency": run.settings["concurrency"],
+        "concurrency_final": int(m[-1]["april/concurrency_limit"]) if run.policy.startswith("copris") else None,
+        "concurrency_mean": (sum(x["april/concurrency_limit"] for x in m) / len(m))
+        if run.policy.startswith("copris") else None,
+        "max_response_len": run.settings["max_response_len"],
+        "over_sampling_factor": run.settings["over_sampling_factor"] if run.policy == "april" else None,
+        "steps_measured": len(steps),
+        "wall_s": run.wall_s,
+    }
+
+
+# ============================================================================ benchmark plans
+@dataclass(frozen=True)
+class RunPoint:
+    """One (policy, setting) run of a benchmark."""
+
+    label: str
+    policy: str
+    concurrency: int | None = None
+    over_sampling_factor: float | None = None
+    max_response_len: int | None = None
+    max_staleness: int | None | str = WORKLOAD_BOUND
+
+
+def plan(workload: Workload) -> list[RunPoint]:
+    if workload.sweep == "none":
+        return [RunPoint(label, p, max_staleness=bound if workload.staleness_bounds else WORKLOAD_BOUND)
+                for label, p, bound in workload.run_labels()]
+    points: list[RunPoint] = []
+    if workload.sweep == "context":
+        for value in workload.sweep_values:
+            budget = int(value)
+            for p in workload.policies:
+                points.append(RunPoint(f"{p}@{budget // 1024}k", p, max_response_len=budget))
+    elif workload.sweep == "concurrency":
+        for value in workload.sweep_values:
+            if "copris" in workload.policies:
+                points.append(RunPoint(f"copris@N={int(value)}", "copris", concurrency=int(value)))
+        if "copris-adaptive" in workload.policies:
+            points.append(RunPoint("copris-adaptive", "copris-adaptive"))
+        for p in workload.policies:
+            if p not in ("copris", "copris-adaptive"):
+                points.append(RunPoint(p, p))
+    elif workload.sweep == "oversampling":
+        for value in workload.sweep_values:
+            points.append(RunPoint(f"april@x{value:g}", "april", over_sampling_factor=float(value)))
+        for p in workload.policies:
+            if p != "april":
+                points.append(RunPoint(p, p))
+    return points
+
+
+@dataclass
+class BenchResult:
+    workload: Workload
+    spec: EngineSpec
+    mode: str
+    time_scale: float
+    runs: list[PolicyRun]
+    points: list[RunPoint]
+    ideal: dict[int, dict[str, float]]  # by response budget
+    lengths: dict[int, LengthStats]
+    summaries: dict[str, dict[str, Any]]
+    wall_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"workload": {...}, "results": {label: {...}}}``."""
+        w = asdict(self.workload)
+        w.update(mode=self.mode, time_scale=self.time_scale, engine=self.spec.describe(),
+                 ideal={str(k): v for k, v in self.ideal.items()},
+                 response_lengths={str(k): dict(asdict(v), kv_per_slot=v.kv_per_slot)
+                                   for k, v in self.lengths.items()},
+                 wall_s=self.wall_s)
+        return {"workload": w, "results": self.summaries}
+
+
+class Progress:
+    """What a long run reports as it goes (the CLI draws a tqdm bar from it); no-ops here."""
+
+    def step(self, label: str, record: StepRecord) -> None:
+        pass
+
+    def run_done(self, run: PolicyRun) -> None:
+        pass
+
+
+async def _run_all(workload: Workload, spec: EngineSpec, mode: str, time_scale: float,
+                   points: list[RunPoint], progress: Progress) -> list[PolicyRun]:
+    runs = []
+    for point in points:
+        run = await run_policy(point.label, point.policy, workload, spec, mode=mode,
+                               time_scale=time_scale, concurrency=point.concurrency,
+                               over_sampling_factor=point.over_sampling_factor,
+                               max_response_len=point.max_response_len, max_staleness=point.max_staleness,
+                               on_step=lambda record, label=point.label: progress.step(label, record))
+        runs.append(run)
+        progress.run_done(run)
+    return runs
+
+
+def run_jobs(function, jobs: list, processes: int) -> list:
+    """``function`` over ``jobs``, in ``processes`` worker processes (1: in this process)."""
+    if processes <= 1 or len(jobs) <= 1:
+        return [function(j) for j in jobs]
+    with ProcessPoolExecutor(max_workers=min(processes, len(jobs))) as pool:
+        return list(pool.map(function, jobs))
+
+
+def _run_point(job: tuple[Workload, EngineSpec, RunPoint]) -> PolicyRun:
+    workload, spec, point = job
+    return run_virtual(_run_all(workload, spec, "virtual", 1.0, [point], Progress()))[0]
+
+
+def run_benchmark(workload: Workload, spec: EngineSpec, *, mode: str = "virtual",
+                  time_scale: float = 1.0, progress: Progress | None = None,
+                  jobs: int = 1) -> BenchResult:
+    """Run every point of the workload (each on a fresh cluster; virtual mode: in ``jobs``
+    processes) and summarise."""
+    progress = progress or Progress()
+    wall0 = time.perf_counter()
+    points = plan(workload)
+    budgets = sorted({p.max_response_len or workload.max_response_len for p in points})
+    lengths = {b: (episode_length_stats if workload.turns_max else length_stats)(workload, b) for b in budgets}
+    ideal = {b: ideal_throughput(spec, replace(workload, max_response_len=b), lengths[b])
+             for b in budgets}
+    if mode == "virtual" and jobs > 1 and len(points) > 1:
+        runs = run_jobs(_run_point, [(workload, spec, p) for p in points], jobs)
+        for run in runs:
+            progress.run_done(run)
+    elif mode == "virtual":
+        runs = run_virtual(_run_all(workload, spec, mode, 1.0, points, progress))
+    elif mode == "http":
+        runs = asyncio.run(_run_all(workload, spec, mode, time_scale, points, progress))
+    else:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    summaries = {}
+    for point, run in zip(points, runs):
+        budget = point.max_response_len or workload.max_response_len
+        summaries[point.label] = summarize(run, ideal[budget]["tokens_per_s"], spec)
+    return BenchResult(workload, spec, mode, time_scale if mode == "http" else 1.0, runs, points,
+                       ideal, lengths, summaries, time.perf_counter() - wall0)
+
+
