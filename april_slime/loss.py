@@ -68,8 +68,9 @@ versions the staleness metrics are left out; the loss itself never depends on th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -182,7 +183,7 @@ def token_versions(batch: dict, response_lengths: list[int]) -> TokenVersions | 
     return versions, references
 
 
-def _stale_token_weights(config: LossSettings, mb: "SlimeMicrobatch") -> tuple[torch.Tensor, torch.Tensor] | None:
+def _stale_token_weights(config: LossSettings, mb: SlimeMicrobatch) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(weights, stale) per packed token for ``april_stale_token_lag``, or None when it is off."""
     if config.stale_token_lag is None:
         return None

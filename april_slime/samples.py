@@ -18,6 +18,7 @@ in the shapes slime's own ``Sample`` code makes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib
@@ -484,10 +485,8 @@ class SampleCodec:
         """The integer versions among slime's per-call ``weight_versions`` strings."""
         versions = []
         for v in s.weight_versions or []:
-            try:
+            with contextlib.suppress(TypeError, ValueError):
                 versions.append(int(v))
-            except (TypeError, ValueError):
-                pass
         return versions
 
 

@@ -350,7 +350,7 @@ class Mutated:
         self.originals: dict[Path, bytes] = {}
         self.written: dict[Path, bytes] = {}
 
-    def __enter__(self) -> "Mutated":
+    def __enter__(self) -> Mutated:
         try:
             for e in self.mutation.edits:
                 path = self.root / e.path

@@ -128,7 +128,7 @@ def test_plans_are_fixed_by_seed_prompt_and_sample():
     plans = [plan_episode(w, model, prompt, i, j, w.max_response_len) for i in range(20) for j in range(4)]
     assert plans == [plan_episode(w, model, prompt, i, j, w.max_response_len) for i in range(20) for j in range(4)]
     assert {p.turns for p in plans} == set(range(1, 7))
-    assert all(len(p.tool_s) == p.turns - 1 and 1 <= min(p.lengths) and max(p.lengths) <= 200 for p in plans)
+    assert all(len(p.tool_s) == p.turns - 1 and min(p.lengths) >= 1 and max(p.lengths) <= 200 for p in plans)
     with pytest.raises(ValueError, match="turns_min"):
         tiny(turns_min=5, turns_max=3)
     with pytest.raises(ValueError, match="turns_max"):

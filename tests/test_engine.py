@@ -6,7 +6,8 @@ import asyncio
 import json
 import math
 import socket
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -81,7 +82,7 @@ class ScriptedServer:
             return web.json_response(payload, status=status)
         return web.json_response(entry)
 
-    async def start(self) -> "ScriptedServer":
+    async def start(self) -> ScriptedServer:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)

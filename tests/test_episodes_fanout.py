@@ -193,7 +193,7 @@ def test_no_model_call_reaches_an_engine_between_two_steps(cluster, tmp_path, pr
         runner = rollout._RUNTIME.episodes
         at_end = received()
         # a call made after the step ended: its trajectory was never sent (no call yet)
-        made_between = lambda: [c for e in runner.episodes.values() if e.live  # noqa: E731
+        made_between = lambda runner=runner: [c for e in runner.episodes.values() if e.live  # noqa: E731
                                 for c in e.pending.values() if c.trajectory.num_calls == 0]
         deadline = time.monotonic() + 30
         while not made_between() and any(e.live and not e.pending for e in runner.episodes.values()):

@@ -463,7 +463,7 @@ def test_stale_tokens_are_masked_or_down_weighted_exactly(weight):
     torch.testing.assert_close(grad, logits.grad, rtol=0, atol=1e-12)
     stale = torch.tensor([float(lag > 1) for lag in lags], dtype=torch.float64)
     assert metrics["april/stale_token_frac"].item() == pytest.approx(reducer_for(batch)(stale).item())
-    assert 0 < reducer_for(batch)(stale).item()
+    assert reducer_for(batch)(stale).item() > 0
     # off by default: the same batch without the setting trains the old tokens at full weight
     off, off_metrics = april_loss.policy_loss(make_args(), batch, logits, reducer_for(batch))
     torch.testing.assert_close(off.detach(), reducer_for(batch)(obj.loss).detach(), rtol=0, atol=1e-12)

@@ -284,7 +284,7 @@ def test_gspo_ratio_is_the_geometric_mean_shared_by_the_sample():
     lp, old, roll, adv, mask = make_batch([4, 3], seed=9, drift=0.1)
     packing = op.Packing.from_lengths([4, 3])
     obj = op.policy_objective(lp, old, roll, adv, mask, packing, mode="on_policy", loss_level="sequence")
-    for i, (start, n) in enumerate(((0, 4), (4, 3))):
+    for start, n in ((0, 4), (4, 3)):
         m = mask[start:start + n].bool()
         expected = torch.exp((lp.detach() - old)[start:start + n][m].mean())
         torch.testing.assert_close(obj.ratio[start:start + n], expected.expand(n))

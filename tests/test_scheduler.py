@@ -92,7 +92,7 @@ class FakeClient:
             n = max_new_tokens if self.abort_at_budget else min(n, int((loop.time() - t0) / self.token_time))
             finish = "abort"
             self.budget_aborts += n == max_new_tokens
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         finally:
             del self.running[rid]

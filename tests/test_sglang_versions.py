@@ -97,9 +97,10 @@ async def test_what_the_client_makes_of_a_refused_request(version):
         tries = []
 
         class Replay:
+            # used only within this iteration, so the loop's current tries and reply are the ones meant
             async def request(self, method, url, path, payload, timeout_s):
-                tries.append(path)
-                raise TransportHTTPError(reply["status"], reply["body"])
+                tries.append(path)  # noqa: B023
+                raise TransportHTTPError(reply["status"], reply["body"])  # noqa: B023
 
         client = EngineClient(["http://e"], transport=Replay(), max_retries=2, retry_backoff_s=0.0)
         expected = RequestRejected if reply["status"] == 400 else EngineUnavailable

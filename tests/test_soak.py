@@ -228,7 +228,7 @@ class LedgerPrompts:
     """The data source as the scheduler's prompt source, recording every group it hands out
     (and, when armed, corrupting a prompt with an out-of-vocabulary id)."""
 
-    def __init__(self, source, ledger: Ledger, soak: "Soak"):
+    def __init__(self, source, ledger: Ledger, soak: Soak):
         self.source, self.ledger, self.soak = source, ledger, soak
 
     def next_groups(self, n, current_version):
@@ -835,7 +835,7 @@ def test_soak_episodes_under_engine_and_function_faults(three_engines, quiet, tm
                                              s.train_metadata[TOKEN_VERSIONS_KEY],
                                              sampling_seed(args.rollout_seed, str(s.group_index), i),
                                              f"step {k}: trained {s.index}")
-            on_loop(lambda: check_buffer(f"episode step {k}"))
+            on_loop(lambda k=k: check_buffer(f"episode step {k}"))
             if restored is None and out is not None and k >= EPISODE_STEPS // 2:
                 source.save(k)  # train.py: generate k, train k, save k; then the job dies
                 runners.append(rollout._RUNTIME.episodes)
@@ -844,7 +844,7 @@ def test_soak_episodes_under_engine_and_function_faults(three_engines, quiet, tm
                 source = rollout.AprilDataSource(args)
                 source.load(k)
                 restored = len(source.restored_episodes)
-                on_loop(lambda: check_buffer(f"restore of {k}"))
+                on_loop(lambda k=k: check_buffer(f"restore of {k}"))
         runners.append(rollout._RUNTIME.episodes)
     finally:
         af.reset()

@@ -580,13 +580,15 @@ def test_launcher_vcpo_configuration_runs_the_baseline(mode, tmp_path):
     args, custom loss, no KL loss, TP 2 with sequence parallelism, static one-sample micro-batches on
     4 data-parallel ranks) is what VCPO's group baseline accepts; the launcher without its VCPO
     batching would be refused, naming the flag."""
+    import pathlib
+
     import yaml
 
     argv = launcher_arguments(tmp_path, MODE=mode, VCPO_HOOK="1")
     flags = flag_values(argv)
     assert "use_dynamic_batch_size" not in flags and flags["micro_batch_size"] == "1"
     assert "use_kl_loss" not in flags and flags["custom_config_path"].endswith(f"{mode}-vcpo.yaml")
-    args = SimpleNamespace(**yaml.safe_load(open(flags["custom_config_path"]).read()),
+    args = SimpleNamespace(**yaml.safe_load(pathlib.Path(flags["custom_config_path"]).read_text()),
                            loss_type=flags["loss_type"], use_kl_loss=False, entropy_coef=0.0,
                            advantage_estimator=flags["advantage_estimator"], sequence_parallel=True,
                            tensor_model_parallel_size=int(flags["tensor_model_parallel_size"]),

@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported for annotations only: the controller reads loads by attribute
     from april_slime.core.config import AprilConfig
@@ -106,8 +107,8 @@ class AdaptiveConcurrencyController:
         self._current = self._clamp(self.initial_concurrency)
 
     @classmethod
-    def from_config(cls, config: "AprilConfig", rollout_batch_size: int, n_samples_per_prompt: int,
-                    **overrides) -> "AdaptiveConcurrencyController":
+    def from_config(cls, config: AprilConfig, rollout_batch_size: int, n_samples_per_prompt: int,
+                    **overrides) -> AdaptiveConcurrencyController:
         """Start from the configured N' (default: one batch worth of samples) and its bounds."""
         initial = config.resolved_concurrency(rollout_batch_size, n_samples_per_prompt)
         kwargs = dict(
@@ -127,7 +128,7 @@ class AdaptiveConcurrencyController:
     def current(self) -> int:
         return self._current
 
-    def observe(self, loads: Sequence["EngineLoad"], now: float) -> int:
+    def observe(self, loads: Sequence[EngineLoad], now: float) -> int:
         if not loads:
             return self._current
         capacity = sum(max(load.capacity_tokens, 0) for load in loads)
@@ -195,7 +196,7 @@ class AdaptiveConcurrencyController:
         return self._set(target, now, f"kv={kv_util:.2f} < {self.target_kv_utilization:.2f}")
 
     # ------------------------------------------------------------------ helpers
-    def _retractions_since_last(self, loads: Sequence["EngineLoad"]) -> int:
+    def _retractions_since_last(self, loads: Sequence[EngineLoad]) -> int:
         """Sum of per-engine increases of the cumulative retraction counters.
 
         A counter that went down means the engine restarted; its new value becomes the baseline.

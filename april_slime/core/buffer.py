@@ -24,7 +24,8 @@ it is persisted only inside the data source's checkpoint file, written and read 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from april_slime.core.config import RESUME_PRIORITIES, STALE_ACTIONS
 from april_slime.core.types import Group, TrajectoryStatus
@@ -59,7 +60,7 @@ class PartialBuffer:
         self.dropped_tokens = 0
 
     @classmethod
-    def from_config(cls, config) -> "PartialBuffer":
+    def from_config(cls, config) -> PartialBuffer:
         return cls(priority=config.resume_priority, max_staleness=config.max_staleness,
                    stale_action=config.stale_action)
 
@@ -126,7 +127,7 @@ class PartialBuffer:
     def enforce_staleness(self, current_version: int) -> None:
         if self.max_staleness is None:
             return
-        for uid, (arrival, group) in list(self._groups.items()):
+        for uid, (_arrival, group) in list(self._groups.items()):
             if group.staleness(current_version) <= self.max_staleness:
                 continue
             tokens = sum(t.response_length for t in group.trajectories)

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Awaitable, Protocol
+from typing import Protocol
 
 from april_slime.core.engine import EngineClient
 from april_slime.core.health import EngineWatch

@@ -76,9 +76,10 @@ import logging
 import os
 import re
 import signal
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.config import AprilConfigError
@@ -169,7 +170,7 @@ class Snapshot:
 
     @classmethod
     def take(cls, rollout_id: int, prompts: Any, buffer_state: dict[str, Any],
-             policy_version: int | None) -> "Snapshot":
+             policy_version: int | None) -> Snapshot:
         """``buffer_state`` must be a fresh ``PartialBuffer.state_dict()`` (its lists are copies);
         the payloads and counters it shares with the live buffer are copied here."""
         position = prompt_state(prompts)

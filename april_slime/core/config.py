@@ -156,7 +156,7 @@ class AprilConfig:
     )
     # ------------------------------------------------------------------ building
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "AprilConfig":
+    def from_dict(cls, values: dict[str, Any]) -> AprilConfig:
         """Build from plain keys (with or without the ``april_`` prefix); a key that is not a
         rollout setting is an error (a job's whole set of settings goes through
         ``april_slime.settings.JobSettings``, which also knows the loss's)."""

@@ -123,7 +123,7 @@ class Dispatch:
         return f"{self.mode} dispatch ({where}; {len(self.engines)} engines): {self.reason}"
 
     @classmethod
-    def direct(cls, engine_urls: list[str], reason: str = "engines given") -> "Dispatch":
+    def direct(cls, engine_urls: list[str], reason: str = "engines given") -> Dispatch:
         return cls("direct", tuple(_unique(normalise_url(u) for u in engine_urls)), None, reason)
 
 

@@ -31,8 +31,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from april_slime.core.dispatch import DeploymentHints, Dispatch, choose, parse_workers, router_dropped_fields
 from april_slime.core.replay import NO_REPLAY, ReplaySpec
@@ -122,7 +123,7 @@ async def _call_with_retries(
                 ) from exc
             stats.server_errors += 1
             last_error = f"HTTP {exc.status}: {exc.body}"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             # Must come before OSError: TimeoutError is a subclass of OSError.
             stats.timeouts += 1
             last_error = f"no reply within {timeout_s:g} s"
@@ -305,7 +306,7 @@ class EngineClient:
 
     @classmethod
     async def from_router(cls, router_url: str, *, dispatch: str = "direct", hints: DeploymentHints | None = None,
-                          wait: EngineWait = EngineWait(), **kw) -> "EngineClient":
+                          wait: EngineWait = EngineWait(), **kw) -> EngineClient:
         """Build a client for every engine the router lists (``GET {router}/workers``) once the list is
         what ``wait`` asks for (``EngineWait``), dispatching as ``dispatch`` (auto | direct | router)
         says (``dispatch.choose``).
@@ -427,7 +428,7 @@ class EngineClient:
 
             try:
                 await _fan_out([abort_on(u) for u in self.dispatch.abort_urls(engine_url)], f"abort of {rid}")
-            except (TransportHTTPError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            except (TimeoutError, TransportHTTPError, OSError, ValueError) as exc:
                 stats.failed_aborts_after_timeout += 1
                 logger.warning(
                     "engine %s: abort of timed-out rid %s failed (%s); retrying anyway",

@@ -52,8 +52,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Protocol
+from typing import Any, Protocol
 
 from april_slime.core.step_context import EpisodeCallAsked, EpisodeEnded, StepEvent
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
@@ -90,7 +91,7 @@ class CallRequest:
 class ModelCall:
     """One model call of an episode: the resumable ``trajectory`` and the reply the function awaits."""
 
-    episode: "Episode"
+    episode: Episode
     request: CallRequest
     trajectory: Trajectory
     reply: asyncio.Future

@@ -27,7 +27,8 @@ import asyncio
 import json
 import logging
 import socket
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -106,7 +107,7 @@ class EpisodeFront:
             self.sock.close()
             self.sock = None
 
-    async def __aenter__(self) -> "EpisodeFront":
+    async def __aenter__(self) -> EpisodeFront:
         await self.start()
         return self
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.ledger import (

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 from april_slime.core.engine import EngineClient
 from april_slime.core.policies import Policy

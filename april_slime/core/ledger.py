@@ -32,7 +32,7 @@ sample's group like a trajectory does, so the places and the invariant do not ch
 from __future__ import annotations
 
 import enum
-from typing import Iterator
+from collections.abc import Iterator
 
 from april_slime.core.types import Group
 

@@ -36,7 +36,7 @@ never makes a due group miss its step; one left unprotected is protected at a la
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from april_slime.core.types import Group
 

@@ -325,7 +325,7 @@ class TokenReplay:
                 "topk_ids": _copy(self.topk_ids), "topk_log_probs": _copy(self.topk_log_probs)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TokenReplay":
+    def from_dict(cls, d: dict[str, Any]) -> TokenReplay:
         replay = cls(routed_width=int(d.get("routed_width", 0)),
                      routed=_read(d.get("routed"), "replay.routed"),
                      top_p_ids=_read(d.get("top_p_ids"), "replay.top_p_ids"),

@@ -69,8 +69,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterable
 
 from april_slime.core.adaptive import AdaptiveConcurrencyController
 from april_slime.core.buffer import PartialBuffer
@@ -344,7 +344,7 @@ class _Step:
                 event = await self.ctx.events.get()
             else:
                 event = await asyncio.wait_for(self.ctx.events.get(), max(timeout, 0.0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         self._handle(event)
         while not self.ctx.events.empty():

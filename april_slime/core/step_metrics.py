@@ -37,8 +37,8 @@ the step settled; ``in_flight`` counts model calls, whatever kind of work item m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.keys import METRIC_PREFIX

@@ -6,7 +6,6 @@ reports what happened, so an in-process stand-in (the emulator's cluster) can ta
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any, Protocol
 
@@ -84,7 +83,7 @@ class HttpTransport:
             ) as response:
                 raw = await response.read()
                 status = response.status
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise
         except aiohttp.ClientError as exc:
             # ClientConnectorError is already an OSError, but a server that drops the connection

@@ -206,7 +206,7 @@ class Trajectory:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Trajectory":
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
         d = dict(d)
         d["status"] = TrajectoryStatus(d["status"])
         if d.get("replay") is not None:
@@ -261,7 +261,7 @@ class Group:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Group":
+    def from_dict(cls, d: dict[str, Any]) -> Group:
         d = dict(d)
         d["trajectories"] = [Trajectory.from_dict(t) for t in d["trajectories"]]
         return cls(**d)

@@ -27,8 +27,8 @@ boundary the micro-batch is folded: a completed group subtracts ``(b_g / s_g) P_
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -120,7 +120,7 @@ def weighted_mean(values: Sequence[float], log_weights: Sequence[float]) -> floa
 
 def opob_policy_loss(log_probs: Sequence[torch.Tensor], rollout_log_probs: Sequence[torch.Tensor],
                      loss_masks: Sequence[torch.Tensor], rewards: torch.Tensor | Sequence[float],
-                     segment_ids: torch.Tensor, *, accumulator: "OpobAccumulator | None" = None,
+                     segment_ids: torch.Tensor, *, accumulator: OpobAccumulator | None = None,
                      groups: SampleGroups | None = None, options: OpobOptions = OpobOptions()) -> OpobResult:
     """Loss side of VCPO for one micro-batch (paper eq. 9 without the baseline term).
 

@@ -14,7 +14,7 @@ loss hooks slice them to slime's local layout.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

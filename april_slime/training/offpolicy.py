@@ -41,8 +41,8 @@ ignored, since those tokens never enter the loss.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -66,7 +66,7 @@ class Packing:
     sizes: tuple[int, ...]  # the same lengths on the host, so splitting needs no device sync
 
     @classmethod
-    def from_lengths(cls, lengths: Sequence[int] | torch.Tensor, device: torch.device | str | None = None) -> "Packing":
+    def from_lengths(cls, lengths: Sequence[int] | torch.Tensor, device: torch.device | str | None = None) -> Packing:
         sizes = tuple(int(n) for n in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths))
         if any(n < 0 for n in sizes):
             raise ValueError(f"sample lengths must be >= 0, got {list(sizes)}")
@@ -77,7 +77,7 @@ class Packing:
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: Sequence[int] | torch.Tensor,
-                        device: torch.device | str | None = None) -> "Packing":
+                        device: torch.device | str | None = None) -> Packing:
         """From cumulative boundaries ``[0, end_0, end_1, ...]`` (the varlen / thd convention)."""
         cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
         if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
@@ -423,7 +423,7 @@ def approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor, kl_type: st
 
 
 # ----------------------------------------------------------------------------------------- ESS
-def collective_device(group: "torch.distributed.ProcessGroup | None" = None,
+def collective_device(group: torch.distributed.ProcessGroup | None = None,
                       hint: torch.device | str | None = None) -> torch.device | str:
     """Device for a small collective: NCCL reduces CUDA tensors only, so ranks whose data lives on
     the host (or that have no data, e.g. other pipeline stages) join with a CUDA tensor."""
@@ -452,7 +452,7 @@ class EssStats:
     sum_sq_weights: float = 0.0
     num_samples: int = 0
 
-    def add(self, log_weights: torch.Tensor, valid: torch.Tensor | None = None) -> "EssStats":
+    def add(self, log_weights: torch.Tensor, valid: torch.Tensor | None = None) -> EssStats:
         """Merge the UNCLIPPED log-weights [N] (``valid``, bool [N], excludes samples); returns self."""
         lw = log_weights.detach().reshape(-1).to(torch.float64)
         if valid is not None:
@@ -475,8 +475,8 @@ class EssStats:
         self.num_samples += int(lw.numel())
         return self
 
-    def reduce(self, group: "torch.distributed.ProcessGroup | None" = None,
-               device: torch.device | str | None = None) -> "EssStats":
+    def reduce(self, group: torch.distributed.ProcessGroup | None = None,
+               device: torch.device | str | None = None) -> EssStats:
         """The statistics of every rank of ``group`` together (None = the default group).
 
         A collective when ``torch.distributed`` is initialised: every rank of the group must call
@@ -510,7 +510,7 @@ class EssStats:
 def effective_sample_size(
     log_weights: torch.Tensor,
     valid: torch.Tensor | None = None,
-    group: "torch.distributed.ProcessGroup | None" = None,
+    group: torch.distributed.ProcessGroup | None = None,
     *,
     reduce: bool = True,
 ) -> EssStats:

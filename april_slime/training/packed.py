@@ -10,8 +10,8 @@ packed stream (samples back to back), in plain torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -69,7 +69,7 @@ class PackedSamples:
         rollout_log_probs: Sequence[torch.Tensor] | None = None,
         advantages: Sequence[torch.Tensor] | None = None,
         old_name: str = "log_probs",
-    ) -> "PackedSamples":
+    ) -> PackedSamples:
         """Check and pack whole-response per-sample lists; ``old_name`` names ``old_log_probs`` in
         errors as the caller's input calls them."""
         check_sample_lengths(response_lengths, **{old_name: old_log_probs}, rollout_log_probs=rollout_log_probs,

@@ -133,7 +133,7 @@ class LossSettings:
         return {f.name for f in fields(cls)}
 
     @classmethod
-    def build(cls, values: dict[str, Any]) -> "LossSettings":
+    def build(cls, values: dict[str, Any]) -> LossSettings:
         """From already-typed values (the face coerces YAML strings): VCPO's objective implied
         where a VCPO setting is on and the job left it unset, then checked."""
         values = dict(values)

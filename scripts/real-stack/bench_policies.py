@@ -66,7 +66,7 @@ class LoadMonitor:
             self.samples.append((time.monotonic(), tuple(running)))
             time.sleep(self.period_s)
 
-    def __enter__(self) -> "LoadMonitor":
+    def __enter__(self) -> LoadMonitor:
         self._thread.start()
         return self
 

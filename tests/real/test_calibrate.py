@@ -10,6 +10,7 @@ time, abort a request the engine reports running, and write a spec that ``april-
 import json
 import math
 import os
+from pathlib import Path
 
 from april_workbench.bench import EngineSpec, Workload, run_benchmark
 from april_workbench.bench.calibrate import compare
@@ -23,7 +24,7 @@ def test_calibrate_measures_the_real_engine(real_stack, tmp_path, capsys):
                          "--prefill-lengths", "32,512,2048", "--repeats", "3", "--base-preset", "h100-qwen3-4b"])
     assert rc == 0, capsys.readouterr().err
     real_stack.wait_idle()
-    spec_json = json.loads(open(out).read())
+    spec_json = json.loads(Path(out).read_text())
     m = spec_json["measurements"]
     assert m["engine_url"].rstrip("/") in [u.rstrip("/") for u in real_stack.engine_urls]
     assert m["num_engines"] == len(real_stack.engine_urls)

@@ -276,7 +276,7 @@ class Placement:
         return self.placed
 
 
-def prompt_token_bound(stack: "RealStack", prompts_jsonl: Path) -> int:
+def prompt_token_bound(stack: RealStack, prompts_jsonl: Path) -> int:
     """The longest prompt of a jsonl prompt file, in tokens."""
     lines = Path(prompts_jsonl).read_text(encoding="utf-8").splitlines()
     return max(len(stack.tokenizer.encode(json.loads(line)["prompt"], add_special_tokens=False))
@@ -397,7 +397,7 @@ def _check_train_data(samples, train, loss_masks: list[list[int]]) -> None:
 LOGPROB_TOLERANCE = 1e-4
 
 
-def load_hf_models(stack: "RealStack") -> dict[str, Any]:
+def load_hf_models(stack: RealStack) -> dict[str, Any]:
     """The stack's two weight sets in transformers, "A" (what it starts with) and "B"."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -407,7 +407,7 @@ def load_hf_models(stack: "RealStack") -> dict[str, Any]:
     return {"A": load(stack.model_path), "B": load(stack.other_model_path)}
 
 
-def steps_across_weight_pushes(stack: "RealStack", manager, hf_models: dict[str, Any], *, check_step,
+def steps_across_weight_pushes(stack: RealStack, manager, hf_models: dict[str, Any], *, check_step,
                                temperature: float = 1.0, least: int = 3, most: int = 8) -> tuple[int, int]:
     """Rollout steps of ``manager`` (a ``SlimeRolloutManager``) with weights B and A pushed in turn
     under new integer versions before every step but the first: ``least`` steps, and more (``most``

@@ -94,10 +94,9 @@ class Cluster:
         """What slime's weight update does to the engines' version (through the router)."""
 
         async def post():
-            async with aiohttp.ClientSession() as session:
-                async with session.post(f"{self.router_url}/update_weight_version",
-                                        json={"new_version": str(version)}) as resp:
-                    resp.raise_for_status()
+            async with aiohttp.ClientSession() as session, session.post(
+                    f"{self.router_url}/update_weight_version", json={"new_version": str(version)}) as resp:
+                resp.raise_for_status()
 
         loop_run(post())
 

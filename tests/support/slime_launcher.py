@@ -73,7 +73,7 @@ class RayCluster:
         return subprocess.run([str(LAUNCHER_VENV / "bin" / "ray"), *argv], env=launcher_env(), text=True,
                               capture_output=True, timeout=timeout)
 
-    def start(self) -> "RayCluster":
+    def start(self) -> RayCluster:
         done = self._ray("start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.gcs_port),
                          "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
                          "--num-gpus", "1", "--num-cpus", "8", "--disable-usage-stats",
@@ -113,9 +113,9 @@ class Job:
     def wait(self, timeout: float = JOB_TIMEOUT_S) -> int:
         try:
             return self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
             self.process.kill()
-            raise AssertionError(f"the launcher did not finish within {timeout:.0f} s; its log:\n{self.tail()}")
+            raise AssertionError(f"the launcher did not finish within {timeout:.0f} s; its log:\n{self.tail()}") from e
 
     @property
     def log(self) -> str:

@@ -30,6 +30,7 @@ The tests use it only when the real slime cannot be imported (``install`` is a n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import importlib
 import inspect
@@ -107,7 +108,7 @@ class Sample:
         return out
 
     @staticmethod
-    def from_dict(data: dict) -> "Sample":
+    def from_dict(data: dict) -> Sample:
         data = dict(data)
         data["status"] = Sample.Status(data["status"])
         known = set(Sample.__dataclass_fields__)
@@ -307,10 +308,8 @@ def patch_real_tokenizer(monkeypatch) -> None:
     # is the real loader, then patched here too (and restored). Imported for the first time while
     # the patch is on, one would keep the toy loader for the rest of the process.
     for name in ("slime.rollout.sglang_rollout",):
-        try:
+        with contextlib.suppress(ImportError):
             modules.append(importlib.import_module(name))
-        except ImportError:
-            pass
     for module in modules:
         monkeypatch.setattr(module, "load_tokenizer", load_tokenizer, raising=False)
         monkeypatch.setattr(module, "load_processor", lambda *a, **k: None, raising=False)

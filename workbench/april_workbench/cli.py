@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         return handler(rest)
     except BrokenPipeError:
         # `april-slime settings | head`: the reader left; not an error of ours.
-        sys.stdout = open(os.devnull, "w")
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (stays open: it is stdout until exit)
         return 0
 
 

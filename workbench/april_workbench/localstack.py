@@ -38,9 +38,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from april_workbench.tiny_qwen3 import build_tiny_qwen3
 
@@ -247,14 +248,14 @@ class LocalEngine:
                 "--max-running-requests", str(self.max_running_requests),
                 "--weight-version", self.weight_version, "--skip-server-warmup", *self.extra_args]
 
-    def launch(self) -> "LocalEngine":
+    def launch(self) -> LocalEngine:
         """Start the process without waiting (``wait_ready`` waits); lets several engines boot at once."""
         if self.port is None or self._fixed_port is None:
             self.port = free_port(self.host, below=ENGINE_PORT_LIMIT)
         self._process.launch(self.command())
         return self
 
-    def wait_ready(self, timeout_s: float = 600.0) -> "LocalEngine":
+    def wait_ready(self, timeout_s: float = 600.0) -> LocalEngine:
         for attempt in range(3):
             try:
                 self._process.wait_ready(lambda: _get_json(f"{self.url}/model_info") is not None, timeout_s,
@@ -267,13 +268,13 @@ class LocalEngine:
                 self.launch()
         return self
 
-    def start(self, timeout_s: float = 600.0) -> "LocalEngine":
+    def start(self, timeout_s: float = 600.0) -> LocalEngine:
         return self.launch().wait_ready(timeout_s)
 
     def stop(self) -> None:
         self._process.stop()
 
-    def __enter__(self) -> "LocalEngine":
+    def __enter__(self) -> LocalEngine:
         return self.start() if self._process.proc is None else self
 
     def __exit__(self, *exc: Any) -> None:
@@ -320,7 +321,7 @@ class LocalRouter:
         listed = {w.get("url") for w in _get_json(f"{self.url}/workers").get("workers", [])}
         return set(self.worker_urls) <= listed
 
-    def start(self, timeout_s: float = 600.0) -> "LocalRouter":
+    def start(self, timeout_s: float = 600.0) -> LocalRouter:
         # The deadline only guards against a hang, like the engines': on a starved machine the
         # router's start-up alone (a Python launcher, then the Rust server) has taken over 120 s.
         for attempt in range(3):
@@ -339,7 +340,7 @@ class LocalRouter:
     def stop(self) -> None:
         self._process.stop()
 
-    def __enter__(self) -> "LocalRouter":
+    def __enter__(self) -> LocalRouter:
         return self.start() if self._process.proc is None else self
 
     def __exit__(self, *exc: Any) -> None:

@@ -10,8 +10,9 @@ imported by ``build_tiny_qwen3`` when it runs.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["build_tiny_qwen3", "tiny_corpus"]
 

@@ -150,7 +150,7 @@ def test_dp_averaged_gradient_equals_single_process(reference, ranks):
 
 def test_dp_reduced_metrics_and_ess_equal_single_process(reference, ranks):
     _, ref_metrics, _, ref_ess = reference
-    assert 0 < ref_metrics["pg_clipfrac"] < 1 and 0 < ref_metrics["april/truncated_frac"]
+    assert 0 < ref_metrics["pg_clipfrac"] < 1 and ref_metrics["april/truncated_frac"] > 0
     assert ref_metrics["april/stale1/tokens"] > 0 and ref_metrics["april/stale3+/tokens"] > 0
     assert 0 < ref_ess < 1
     max_response_tokens = max(s.response_length for s in samples_and_model()[1])

@@ -3,7 +3,8 @@ away, from the scheduler's per-step metrics (``april_slime.core.step_metrics``).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def staleness_summary(metrics: Sequence[dict[str, float]]) -> dict[str, Any]:

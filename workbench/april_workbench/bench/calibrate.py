@@ -36,7 +36,8 @@ import os
 import sys
 import time
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -69,7 +70,7 @@ class _Engine:
             return await self.transport.request(method, self.url, path, body, self.timeout_s)
         except TransportHTTPError as exc:
             raise CalibrationError(f"{method} {self.url}{path}: HTTP {exc.status}: {str(exc.body)[:200]}") from exc
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             raise CalibrationError(f"{method} {self.url}{path}: {exc!r}") from exc
 
     async def get(self, path: str) -> Any:

@@ -8,8 +8,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import fields, replace
-from typing import Any, Sequence
+from typing import Any
 
 from .report import format_band, format_table, headline, plot
 from .runner import PolicyRun, Progress, StepRecord, plan, run_benchmark

@@ -20,7 +20,8 @@ import json
 import os
 import re
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # A path holds no white space, so a marker never reaches past its own line (an empty block's end included).
 BEGIN = re.compile(r"<!-- bench-report (?P<kind>[a-z-]+)(?P<paths>(?: \S+)+) -->\n")
@@ -154,7 +155,7 @@ def multiturn(data: dict[str, Any]) -> str:
     band = data["band"]
     rows = []
     for policy, c in band["comparison"].items():
-        def show(key: str) -> str:
+        def show(key: str, c: dict[str, Any] = c) -> str:
             v = c[key]
             return f"{v['nominal']:.2f}x ({v['min']:.2f}-{v['max']:.2f}x)"
         rows.append([policy, show("multi_turn"), show("single_turn"), show("gain")])

@@ -135,7 +135,7 @@ def format_comparison(comparison: dict[str, Any]) -> list[str]:
     """One line per policy; with a band, each value's min-max over the variants."""
     lines = []
     for policy, c in comparison.items():
-        def show(key: str) -> str:
+        def show(key: str, c: dict[str, Any] = c) -> str:
             v = c[key]
             if isinstance(v, dict):
                 return f"{v['nominal']:.2f}x ({v['min']:.2f}-{v['max']:.2f}x)"

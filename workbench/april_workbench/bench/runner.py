@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import math
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -284,7 +286,7 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
                 on_step(records[-1])
             # Colocated training: engines hold their state and idle, then get the new weights.
             await asyncio.sleep(train_s / scale)
-            version += 1
+            version += 1  # noqa: SIM113  (the policy version, which the weight push moves, not a counter)
             await transport.request("POST", cluster.router_url, "/update_weight_version",
                                     {"new_version": str(version)}, 60.0)
         warmup, stationary = detect_warmup(records, workload.warmup_steps)
@@ -304,10 +306,8 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
     finally:
         if sampler is not None:
             sampler.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await sampler
-            except (asyncio.CancelledError, Exception):
-                pass
         if driver is not None:
             await driver.close()  # its episodes' coroutines, before the engines they call go
         if client is not None:

@@ -241,7 +241,7 @@ class EngineSpec:
 
     # ---- measured specs
     @classmethod
-    def from_dict(cls, data: dict[str, Any], base: "EngineSpec | None" = None) -> "EngineSpec":
+    def from_dict(cls, data: dict[str, Any], base: EngineSpec | None = None) -> EngineSpec:
         """A spec from JSON data: ``{"base_preset": name?, <EngineSpec fields>...}``; fields not
         given come from ``base_preset`` (or ``base``). Unknown keys are an error, not ignored."""
         if not isinstance(data, dict):
@@ -262,7 +262,7 @@ class EngineSpec:
         return replace(base, **data)
 
     @classmethod
-    def load(cls, path: str, base: "EngineSpec | None" = None) -> "EngineSpec":
+    def load(cls, path: str, base: EngineSpec | None = None) -> EngineSpec:
         try:
             with open(path, encoding="utf-8") as fh:
                 data = json.load(fh)

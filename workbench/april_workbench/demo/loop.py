@@ -36,9 +36,10 @@ import shutil
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from april_workbench.demo import task, tool_task
 from april_workbench.demo.policy import PolicySpec

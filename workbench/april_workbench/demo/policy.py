@@ -21,9 +21,10 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ClassVar, Sequence
+from typing import ClassVar
 
 from april_workbench.demo import task
 

@@ -32,9 +32,10 @@ import json
 import math
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from april_workbench.demo import task
 from april_workbench.demo.policy import WarmStartSpec, build_checkpoint

@@ -244,9 +244,7 @@ class EmulatedEngine(ContinuousBatch):
                 fired = await self._sleep_until(end)
                 if self._plan is not plan:
                     break
-                if fired and plan.end == end:
-                    self._commit(plan)
-                elif plan.end <= self.now():
+                if fired and plan.end == end or plan.end <= self.now():
                     self._commit(plan)
 
     def _bound_lag(self) -> None:

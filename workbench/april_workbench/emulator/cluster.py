@@ -97,7 +97,7 @@ class EmulatorCluster:
         table[self.router_url] = self.router_handler
         return table
 
-    def transport(self, **kw: Any) -> "LocalTransport":
+    def transport(self, **kw: Any) -> LocalTransport:
         return LocalTransport(self, **kw)
 
     def now(self) -> float:

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -143,14 +144,14 @@ class LengthModel:
             raise ValueError(f"truncation_fraction must be in [0, 1], got {self.truncation_fraction}")
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "LengthModel":
+    def preset(cls, name: str, **overrides: Any) -> LengthModel:
         """A named parameter set (see ``LENGTH_PRESETS``), with optional field overrides."""
         if name not in LENGTH_PRESETS:
             raise ValueError(f"unknown length preset {name!r}; known: {sorted(LENGTH_PRESETS)}")
         return replace(LENGTH_PRESETS[name], **overrides)
 
     @classmethod
-    def parse(cls, spec: str) -> "LengthModel":
+    def parse(cls, spec: str) -> LengthModel:
         """``"preset"`` or ``"preset:key=value,key=value"`` (keys are field names)."""
         name, _, rest = spec.partition(":")
         overrides: dict[str, Any] = {}

@@ -19,8 +19,9 @@ with ``top_p`` < 1). Both are pure functions of ``(seed, weight version, positio
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from april_slime.core.replay import int32_bytes
 

@@ -14,7 +14,8 @@ import math
 import socket
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
@@ -153,7 +154,7 @@ class EngineHandler:
             # concurrency controller (on SGLang 0.5.23 the engine client reads 0 here).
             "num_retractions": load["num_retractions"],
         }
-        return {"timestamp": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
+        return {"timestamp": datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat(),
                 "version": SGLANG_VERSION, "accelerator": None, "num_accelerators": 1, "loads": [entry]}
 
     async def _model_info(self, payload: Any) -> dict:
@@ -296,10 +297,11 @@ def parse_generate(payload: Any, vocab_size: int) -> dict[str, Any]:
         check_token_ids(input_ids, vocab_size, "input_ids")  # the client's check: in C, for long inputs
     except ValueError:  # then the emulator's own rules, and SGLang's words
         if not all(_is_int(t) for t in input_ids):
-            raise BadRequest("input_ids must hold integers only (batched input is not supported by the emulator)")
+            raise BadRequest("input_ids must hold integers only (batched input is not supported by the "
+                             "emulator)") from None
         if min(input_ids) < 0 or max(input_ids) >= vocab_size:
             # SGLang 0.5.23 does not check this: an id >= vocab size kills the engine's scheduler
-            raise BadRequest(f"input_ids must lie in [0, {vocab_size})")
+            raise BadRequest(f"input_ids must lie in [0, {vocab_size})") from None
     temperature = params.get("temperature", 1.0)
     if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
         raise BadRequest(f"temperature must be a non-negative finite number, got {temperature}.")

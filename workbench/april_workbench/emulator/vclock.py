@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import selectors
-from typing import Any, Coroutine, TypeVar
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -19,7 +20,7 @@ T = TypeVar("T")
 class _VirtualSelector:
     """Wraps the real selector: poll without blocking, and turn a timed wait into a clock jump."""
 
-    def __init__(self, real: selectors.BaseSelector, loop: "VirtualEventLoop"):
+    def __init__(self, real: selectors.BaseSelector, loop: VirtualEventLoop):
         self._real = real
         self._loop = loop
 
