@@ -16,7 +16,7 @@ from april_slime import rollout
 from april_slime.core.config import AprilConfigError
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
 from april_workbench.emulator.replay import EmulatedReplay
-from tests.support.slime_jobs import Cluster, make_args, point_at
+from tests.support.slime_jobs import Cluster, make_args, point_at, rollout_until_partial
 
 REPLAY = EmulatedReplay(layers=2, topk=2, num_experts=8, top_p_ids=True, seed=0)
 MOE = dict(use_rollout_routing_replay=True, num_layers=REPLAY.layers, moe_router_topk=REPLAY.topk)
@@ -100,39 +100,38 @@ def test_replay_data_survives_a_restart(moe_cluster, tmp_path, prompts):
     args = point_at(make_args(tmp_path, prompts, april_over_sampling_factor=3.0, rollout_top_p=0.9, **MOE),
                     moe_cluster)
     source = rollout.AprilDataSource(args)
-    rollout.generate_rollout(args, 0, source)
+    last = rollout_until_partial(args, source)
     partial = [t for g in source.buffer.groups() for t in g.trajectories if t.response_ids]
     assert partial and all(t.replay.routed_rows == len(t.prompt_ids) + t.response_length - 1 for t in partial)
-    source.save(0)
+    source.save(last)
     rollout.shutdown()
     moe_cluster.bump(2)
 
     restarted = point_at(make_args(tmp_path, prompts, april_over_sampling_factor=3.0, rollout_top_p=0.9,
                                    load=args.save, **MOE), moe_cluster)
     source2 = rollout.AprilDataSource(restarted)
-    source2.load(0)
+    source2.load(last)
     kept = {t.uid: bytes(t.replay.routed) for g in source2.buffer.groups() for t in g.trajectories
             if t.response_ids}
     assert kept == {t.uid: bytes(t.replay.routed) for t in partial}
     # completed surplus groups go first; the partials are resumed (under version 2) after them
-    spanning, log = run_steps(restarted, source2, moe_cluster, 1, 2)
+    spanning, log = run_steps(restarted, source2, moe_cluster, last + 1, 2)
     assert spanning > 0, "no restored partial was trained under new weights:\n" + "\n".join(log)
 
 
 def test_a_checkpoint_without_replay_restarts_its_partials(moe_cluster, tmp_path, prompts):
     plain = point_at(make_args(tmp_path, prompts, april_over_sampling_factor=3.0), moe_cluster)
     source = rollout.AprilDataSource(plain)
-    rollout.generate_rollout(plain, 0, source)
-    assert source.buffer.num_partial_trajectories() > 0
-    source.save(0)
+    last = rollout_until_partial(plain, source)
+    source.save(last)
     rollout.shutdown()
 
     moe = point_at(make_args(tmp_path, prompts, april_over_sampling_factor=3.0, load=plain.save, **MOE),
                    moe_cluster)
     source2 = rollout.AprilDataSource(moe)
-    source2.load(0)
+    source2.load(last)
     assert all(not t.response_ids for g in source2.buffer.groups() for t in g.trajectories)
-    output = rollout.generate_rollout(moe, 1, source2)
+    output = rollout.generate_rollout(moe, last + 1, source2)
     for group in output.samples:
         for s in group:
             assert s.rollout_routed_experts.shape[0] == len(s.tokens) - 1

@@ -18,7 +18,12 @@ from april_slime.core.config import AprilConfigError
 from april_slime.core.jsonfile import StateFileError
 from april_slime.core.keys import POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
 from tests.support import slime_standin
-from tests.support.slime_jobs import make_args, point_at, restart_from_n_loses_and_repeats_nothing
+from tests.support.slime_jobs import (
+    make_args,
+    point_at,
+    restart_from_n_loses_and_repeats_nothing,
+    rollout_until_partial,
+)
 
 
 # ------------------------------------------------------------------ functions slime loads by path
@@ -250,11 +255,9 @@ def test_dynamic_sampling_filter_keeps_slimes_signature(cluster, tmp_path, promp
 def test_partials_survive_a_restart(cluster, tmp_path, prompts):
     args = point_at(make_args(tmp_path, prompts, april_over_sampling_factor=3.0), cluster)
     source = rollout.AprilDataSource(args)
-    rollout.generate_rollout(args, 0, source)
-    partial = source.buffer.num_partial_trajectories()
-    assert partial > 0, "over-sampling left no partial; the test needs one"
+    last = rollout_until_partial(args, source)
     saved = source.buffer.state_dict()
-    source.save(0)
+    source.save(last)
 
     # a new process: engines restarted (weight version counts from 1 again), state loaded from disk
     rollout.shutdown()
@@ -262,11 +265,11 @@ def test_partials_survive_a_restart(cluster, tmp_path, prompts):
     point_at(restarted, cluster)
     cluster.bump(1)
     source2 = rollout.AprilDataSource(restarted)
-    source2.load(0)
+    source2.load(last)
     assert source2.buffer.state_dict() == saved
     assert source2.restored_policy_version == 1
 
-    output = rollout.generate_rollout(restarted, 1, source2)
+    output = rollout.generate_rollout(restarted, last + 1, source2)
     # the engines say 1 again; the job continues at 2 so buffered tokens keep their lag
     assert output.metrics["april/version_offset"] == 1
     check_train_output(output, restarted, version=2)

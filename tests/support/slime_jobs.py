@@ -59,6 +59,18 @@ def make_args(tmp_path, prompts, **overrides):
     return args
 
 
+def rollout_until_partial(args, source, most: int = 4) -> int:
+    """Rollouts 0, 1, ... of an over-sampled job until the buffer holds a partial trajectory; the
+    id of the rollout after which it did. One step almost always leaves some, but a starved test
+    process can see every request finish before it sees the target, so a test that needs a partial
+    repeats the step until there is one (and fails saying so if there never is)."""
+    for rollout_id in range(most):
+        rollout.generate_rollout(args, rollout_id, source)
+        if source.buffer.num_partial_trajectories() > 0:
+            return rollout_id
+    raise AssertionError(f"no partial trajectory after {most} over-sampled rollouts; the test needs one")
+
+
 def loop_run(coro):
     """Run on the loop the rollout function uses (slime's persistent loop)."""
     return importlib.import_module("slime.utils.async_utils").run(coro)
