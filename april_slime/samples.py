@@ -252,11 +252,6 @@ class SampleCodec:
         """The slime sample of one trajectory, shaped as slime's own ``generate`` leaves it (an
         episode's: as its generate function returned it, with the plugin's metadata added; a list
         of samples where the function returned one)."""
-        if (t.episode_samples is not None or t.episode_sample is not None) and self.replay.routed:
-            # a prompt's own Sample.generate_function_path (the job's is refused at start)
-            raise RuntimeError(f"sample {t.uid}: use_rollout_routing_replay is not supported for multi-turn "
-                               "episodes (its generate_function_path): its routed experts would have to be "
-                               "stitched across its model calls")
         if t.episode_samples is not None:
             return self._fanout_samples(group, t, current_version)
         if t.episode_sample is not None:

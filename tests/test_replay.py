@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from april_slime.core.replay import ReplaySpec, SegmentReplay, TokenReplay, int32_values
+from april_slime.core.replay import ReplaySpec, SegmentReplay, TokenReplay, int32_values, stitch_calls
 from april_slime.core.sglang_protocol import (
     EngineReplyError,
     ask_for_replay,
@@ -80,6 +80,69 @@ def test_each_position_keeps_the_rows_of_the_call_that_generated_its_next_token(
         (3, p) for p in range(11, 13)]
     assert t.replay.top_p_tokens == 9
     assert t.replay.top_p_offsets() == list(range(0, 19, 2))
+
+
+# ------------------------------------------------------------------ episodes: rows over model calls
+TOOL = [7, 8, 9]
+
+
+def episode_calls(trailing_tool: bool = False) -> tuple[list[int], list[Trajectory]]:
+    """A sample of two model calls with a tool's tokens between them: call A resumed once (tags 1
+    and 2), call B in one piece (tag 3) on the sample's tokens so far. Returns the sample's tokens."""
+    a = trajectory(prompt_len=5)
+    step(a, 3, tag=1)  # aborted
+    step(a, 2, tag=2)  # resumed under other weights
+    b = Trajectory(uid="g/0@0.1", group_uid="g", index_in_group=0, prompt_ids=a.input_ids() + TOOL,
+                   max_new_tokens=64, sampling_seed=3)
+    step(b, 4, tag=3)
+    return b.input_ids() + (TOOL[:2] if trailing_tool else []), [a, b]
+
+
+def test_an_episode_keeps_each_position_of_the_call_that_ran_it_first():
+    tokens, (a, b) = episode_calls()
+    assert len(tokens) == 5 + 5 + 3 + 4
+    out = TokenReplay(routed_width=WIDTH, routed=stitch_calls(WIDTH, len(tokens) - 1, [a.replay, b.replay]))
+    # positions 0..8 (prompt and call A's tokens but its last) are A's, as its segments left them;
+    # position 9 (A's last token, which the tool follows) and the tool's 10..12 were first run by
+    # call B, whose prefill read them as prompt; 13..15 are B's own
+    assert row_tags(out) == [(1, p) for p in range(0, 7)] + [(2, p) for p in range(7, 9)] + [
+        (3, p) for p in range(9, 16)]
+
+
+def test_positions_no_call_ran_repeat_the_last_row_that_was_run():
+    tokens, (a, b) = episode_calls(trailing_tool=True)
+    out = TokenReplay(routed_width=WIDTH, routed=stitch_calls(WIDTH, len(tokens) - 1, [a.replay, b.replay]))
+    assert out.routed_rows == len(tokens) - 1 == 18
+    assert row_tags(out)[15:] == [(3, 15)] * 3
+
+
+def test_an_episode_whose_call_holds_no_rows_or_too_many_is_refused():
+    tokens, (a, b) = episode_calls()
+    with pytest.raises(ValueError, match="model call 1 holds no routed experts of 4 int32"):
+        stitch_calls(WIDTH, len(tokens) - 1, [a.replay, None])
+    with pytest.raises(ValueError, match="model call 1 ran 16 positions of a sample of 15 tokens"):
+        stitch_calls(WIDTH, 14, [a.replay, b.replay])
+    with pytest.raises(ValueError, match="no model call ran"):
+        stitch_calls(WIDTH, 3, [])
+
+
+def test_a_sample_whose_calls_do_not_continue_its_tokens_is_refused():
+    from types import SimpleNamespace
+
+    from april_slime.core.episodes import EpisodeRefused
+    from april_slime.generate_functions import _served_routed
+
+    tokens, trajectories = episode_calls()
+    calls = [SimpleNamespace(trajectory=t) for t in trajectories]
+    mask = [1] * 5 + [0] * 3 + [1] * 4
+    assert _served_routed("s", tokens, mask, calls, WIDTH) == stitch_calls(
+        WIDTH, len(tokens) - 1, [t.replay for t in trajectories])
+    retokenized = tokens[:11] + [70] + tokens[12:]  # the tool's text tokenized otherwise
+    with pytest.raises(EpisodeRefused, match="model call 1 of 2: its 13 input ids are not the sample's first 13"):
+        _served_routed("s", retokenized, mask, calls, WIDTH)
+    shifted = tokens[:13] + [9] + tokens[13:]
+    with pytest.raises(EpisodeRefused, match="call 1 of 2: its 4 output ids are not the sample's tokens 13 to 17"):
+        _served_routed("s", shifted, mask + [0], calls, WIDTH)
 
 
 def test_a_row_short_or_over_fails_loudly_and_appends_nothing():

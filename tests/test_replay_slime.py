@@ -201,3 +201,67 @@ def test_episodes_carry_the_top_p_kept_ids_of_their_calls(moe_cluster, tmp_path,
     finally:
         af.reset()
     assert checked and resumed, "no episode's call was resumed across a step"
+
+
+def check_episode_routing(sample) -> None:
+    """Every position's routed experts are those of the call that ran it first (``core.replay``): the
+    call that sampled the next token, under that token's version; a tool's observation's, the next
+    call's prefill, under the version of that call's first token."""
+    tokens, mask = list(sample.tokens), list(sample.loss_mask)
+    prompt_len = len(tokens) - sample.response_length
+    versions = expand(sample.train_metadata[TOKEN_VERSIONS_KEY])
+    experts = sample.rollout_routed_experts
+    assert tuple(experts.shape) == (len(tokens) - 1, REPLAY.layers, REPLAY.topk)
+    for i in range(len(tokens) - 1):
+        k = next(k for k in range(max(0, i + 1 - prompt_len), len(mask)) if mask[k])
+        assert experts[i].reshape(-1).tolist() == REPLAY.routing_row(versions[k], i, tokens[i]), (
+            f"position {i} of {len(tokens)}: not the routing of version {versions[k]}")
+
+
+@pytest.mark.parametrize("function", ["multi_turn", "fan_out"])
+def test_episodes_replay_the_routing_of_the_call_that_ran_each_position(moe_cluster, tmp_path, prompts, function):
+    """Multi-turn episodes under copris with routing replay, weights bumped every step: each
+    returned sample (one per episode, or one per turn) holds, at each position, the routing of the
+    call that ran it first, over resumed calls and tool tokens."""
+    from tests.support import agent_functions as af
+
+    af.reset()
+    args = point_at(make_args(tmp_path, prompts, april_policy="copris", april_concurrency=12, **MOE,
+                              custom_generate_function_path=f"tests.support.agent_functions.{function}"),
+                    moe_cluster)
+    source = rollout.AprilDataSource(args)
+    spanning = resumed = 0
+    try:
+        for step in range(8):
+            output = rollout.generate_rollout(args, step, source)
+            moe_cluster.bump(step + 2)
+            for s in (s for g in output.samples for m in g for s in (m if isinstance(m, list) else [m])):
+                check_episode_routing(s)
+                spanning += len({v for v, m in zip(expand(s.train_metadata[TOKEN_VERSIONS_KEY]), s.loss_mask)
+                                 if m}) > 1
+            resumed += output.metrics["april/episodes/resumed_calls"]
+            if step >= 2 and resumed and spanning:
+                break
+    finally:
+        af.reset()
+    assert resumed, "no episode's call was resumed across a step"
+    assert spanning, "no sample's model tokens span two versions; the stitch over calls was not checked"
+
+
+def test_episodes_whose_calls_do_not_continue_one_sequence_stop_the_job(moe_cluster, tmp_path, prompts):
+    """Two calls awaited together (``agent_functions.concurrent_turns``) ran on other inputs than the
+    sample's tokens: their routing cannot be replayed on it, and the first step says so."""
+    from tests.support import agent_functions as af
+
+    af.reset()
+    args = point_at(make_args(tmp_path, prompts, april_policy="copris", **MOE,
+                              custom_generate_function_path="tests.support.agent_functions.concurrent_turns"),
+                    moe_cluster)
+    try:
+        with pytest.raises(Exception) as refused:
+            rollout.generate_rollout(args, 0, rollout.AprilDataSource(args))
+    finally:
+        af.reset()
+    message = str(refused.value)
+    assert "concurrent_turns cannot run under the plugin" in message and "\n" not in message, message
+    assert "with use_rollout_routing_replay each model call's input_ids must be" in message
