@@ -194,11 +194,24 @@ def reset() -> None:
     CALLS.clear()
     TOOL_RUNS.clear()
     FILTERED.clear()
+    TOOLS_ACROSS_STEPS.clear()
+    STEPS_RUN[0] = 0
 
 
 # ------------------------------------------------------------------ the real tier's function
 OBSERVATION = "\n<obs>tool says ok</obs>\n"
 REAL_PER_TURN = 64
+# groups whose every tool phase outlasts a rollout step: the test counts the steps it ran in
+# STEPS_RUN, and such a tool returns once one more step has ended than when it began
+TOOLS_ACROSS_STEPS: set[int] = set()
+STEPS_RUN = [0]
+
+
+async def _tool_across_a_step(sample) -> None:
+    if sample.group_index in TOOLS_ACROSS_STEPS:
+        began = STEPS_RUN[0]
+        while STEPS_RUN[0] <= began:  # set by the test's thread once its step returned
+            await asyncio.sleep(0.05)
 
 
 async def text_then_ids(args, sample, sampling_params):
@@ -222,6 +235,7 @@ async def text_then_ids(args, sample, sampling_params):
         mask += [1] * len(ids)
         logprobs += [float(t[0]) for t in out["meta_info"]["output_token_logprobs"]]
         if turn < TURNS - 1:
+            await _tool_across_a_step(sample)
             response += observation
             mask += [0] * len(observation)
             logprobs += [0.0] * len(observation)
