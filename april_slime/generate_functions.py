@@ -189,7 +189,7 @@ class GenerateFunctions:
         member.response_ids, member.logprobs = response, [float(x) for x in logprobs]
         member.loss_mask = mask
         member.version_runs = _runs(versions)
-        member.replay = self._replay(member.uid, result, mask, episode.served)
+        member.replay = self._replay(member.uid, result, mask, episode.served, episode.served)
         member.max_new_tokens = max(member.max_new_tokens, len(response))
         member.call_versions = [v for c in episode.served for v in c.trajectory.call_versions]
         member.num_calls = sum(c.trajectory.num_calls for c in episode.served)
@@ -230,7 +230,8 @@ class GenerateFunctions:
                             "call_versions": [v for k in calls for v in served[k].trajectory.call_versions],
                             "num_calls": sum(served[k].trajectory.num_calls for k in calls),
                             "num_aborts": sum(served[k].trajectory.num_aborts for k in calls),
-                            "replay": _as_dict(self._replay(where, result, mask, [served[k] for k in calls]))})
+                            "replay": _as_dict(self._replay(where, result, mask, [served[k] for k in calls],
+                                                            served))})
         unused = [k for k, c in enumerate(served) if c.trajectory.response_ids and k not in used]
         if unused:
             raise EpisodeError(f"sample {member.uid}: the tokens of model call(s) {unused} of {len(served)} reach "
@@ -252,13 +253,15 @@ class GenerateFunctions:
         member.reward = None if any(r is None for r in rewards) else plain(rewards)
         member.episode_samples = entries
 
-    def _replay(self, where: str, result: Any, mask: list[int], calls: list[ModelCall]) -> TokenReplay | None:
-        """What training replays of one returned sample, from the calls it holds (in order)."""
+    def _replay(self, where: str, result: Any, mask: list[int], calls: list[ModelCall],
+                served: list[ModelCall]) -> TokenReplay | None:
+        """What training replays of one returned sample, from the calls whose tokens it holds (in
+        order) and the episode's other ``served`` calls that ran a prefix of it."""
         replay = _served_top_p(mask, calls) if self.top_p_replay else None
         if self.routed_width:
             replay = replay if replay is not None else TokenReplay()
             replay.routed_width = self.routed_width
-            replay.routed = _served_routed(where, list(result.tokens), mask, calls, self.routed_width)
+            replay.routed = _served_routed(where, list(result.tokens), mask, calls, served, self.routed_width)
         return replay
 
     def _checked(self, where: str, result: Any) -> tuple[str, list[int], list[int], list[float]]:
@@ -397,15 +400,18 @@ ROUTED_NOT_A_PREFIX = (
     "sample's tokens (concurrent calls, a prompt re-tokenized differently) cannot be replayed")
 
 
-def _served_routed(where: str, tokens: list[int], mask: list[int], calls: list[ModelCall], width: int) -> bytearray:
+def _served_routed(where: str, tokens: list[int], mask: list[int], calls: list[ModelCall],
+                   served: list[ModelCall], width: int) -> bytearray:
     """The routed experts of a returned sample's ``len(tokens) - 1`` positions, stitched over the
-    calls it holds (``core.replay.stitch_calls``: each position's from the first call that ran it,
-    a tool's observation's from the call that read it as prompt). Each call must have run a prefix
-    of the sample: ``EpisodeRefused`` otherwise (the function's code, not this episode's luck)."""
+    episode's calls that ran a prefix of it, in the order they were made (``core.replay.stitch_calls``:
+    each position's from the first call that ran it, a tool's observation's from the call that read
+    it as prompt; one sample of a fan-out gets the rows its conversation got in the calls before
+    its own). Each of ``calls`` (those whose tokens it holds) must have run a prefix of the sample:
+    ``EpisodeRefused`` otherwise (the function's code, not this episode's luck)."""
     if not mask:
         return bytearray()
-    ran = [c for c in calls if c.trajectory.response_ids]
-    for n, call in enumerate(ran):
+    own = [c for c in calls if c.trajectory.response_ids]
+    for n, call in enumerate(own):
         t = call.trajectory
         start, end = len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)
         what = None
@@ -414,11 +420,18 @@ def _served_routed(where: str, tokens: list[int], mask: list[int], calls: list[M
         elif tokens[start:end] != t.response_ids:
             what = f"its {end - start} output ids are not the sample's tokens {start} to {end}"
         if what is not None:
-            raise EpisodeRefused(ROUTED_NOT_A_PREFIX.format(where=where, n=n, calls=len(ran), what=what))
+            raise EpisodeRefused(ROUTED_NOT_A_PREFIX.format(where=where, n=n, calls=len(own), what=what))
+    mine = {id(c) for c in own}
+    ran = [c for c in served if id(c) in mine or (c.trajectory.response_ids and _ran_a_prefix(c.trajectory, tokens))]
     try:
         return stitch_calls(width, len(tokens) - 1, [c.trajectory.replay for c in ran])
     except ValueError as e:
         raise EpisodeError(f"sample {where}: {e}") from None
+
+
+def _ran_a_prefix(t: Trajectory, tokens: list[int]) -> bool:
+    start, end = len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)
+    return end <= len(tokens) and tokens[:start] == t.prompt_ids and tokens[start:end] == t.response_ids
 
 
 def _as_dict(replay: TokenReplay | None) -> dict | None:

@@ -126,6 +126,24 @@ def test_an_episode_whose_call_holds_no_rows_or_too_many_is_refused():
         stitch_calls(WIDTH, 3, [])
 
 
+def test_a_call_that_continues_an_earlier_one_asks_only_for_the_positions_after_its_rows():
+    from types import SimpleNamespace
+
+    from april_slime.core.episodes import _rows_run_before
+
+    tokens, (a, b) = episode_calls()
+    episode = SimpleNamespace(served=[SimpleNamespace(trajectory=a)])
+    t = Trajectory(uid="g/0@0.1", group_uid="g", index_in_group=0, prompt_ids=list(b.prompt_ids), max_new_tokens=64,
+                   sampling_seed=3)
+    t.replay = _rows_run_before(episode, t.prompt_ids)
+    assert t.replay_rows == 9 and t.replay.top_p_counts is None
+    step(t, 4, tag=3)  # the engine sends positions 9.. only
+    assert row_tags(t.replay) == row_tags(a.replay) + [(3, p) for p in range(9, 16)]
+    assert t.replay.top_p_tokens == 4
+    assert _rows_run_before(episode, [99] + t.prompt_ids[1:]) is None  # another conversation
+    assert _rows_run_before(episode, a.prompt_ids + a.response_ids[:-1]) is None  # not all of A's tokens
+
+
 def test_a_sample_whose_calls_do_not_continue_its_tokens_is_refused():
     from types import SimpleNamespace
 
@@ -135,14 +153,14 @@ def test_a_sample_whose_calls_do_not_continue_its_tokens_is_refused():
     tokens, trajectories = episode_calls()
     calls = [SimpleNamespace(trajectory=t) for t in trajectories]
     mask = [1] * 5 + [0] * 3 + [1] * 4
-    assert _served_routed("s", tokens, mask, calls, WIDTH) == stitch_calls(
+    assert _served_routed("s", tokens, mask, calls, calls, WIDTH) == stitch_calls(
         WIDTH, len(tokens) - 1, [t.replay for t in trajectories])
     retokenized = tokens[:11] + [70] + tokens[12:]  # the tool's text tokenized otherwise
     with pytest.raises(EpisodeRefused, match="model call 1 of 2: its 13 input ids are not the sample's first 13"):
-        _served_routed("s", retokenized, mask, calls, WIDTH)
+        _served_routed("s", retokenized, mask, calls, calls, WIDTH)
     shifted = tokens[:13] + [9] + tokens[13:]
     with pytest.raises(EpisodeRefused, match="call 1 of 2: its 4 output ids are not the sample's tokens 13 to 17"):
-        _served_routed("s", shifted, mask + [0], calls, WIDTH)
+        _served_routed("s", shifted, mask + [0], calls, calls, WIDTH)
 
 
 def test_a_row_short_or_over_fails_loudly_and_appends_nothing():

@@ -203,26 +203,37 @@ def test_episodes_carry_the_top_p_kept_ids_of_their_calls(moe_cluster, tmp_path,
     assert checked and resumed, "no episode's call was resumed across a step"
 
 
-def check_episode_routing(sample) -> None:
+def generated_positions(samples) -> dict[int, int]:
+    """Position -> version of every generated (loss-mask 1) token of an episode's samples (one, or
+    a fan-out's, each holding the conversation before its turn)."""
+    out = {}
+    for s in samples:
+        prompt_len = len(s.tokens) - s.response_length
+        for k, (m, v) in enumerate(zip(s.loss_mask, expand(s.train_metadata[TOKEN_VERSIONS_KEY]))):
+            if m:
+                out[prompt_len + k] = v
+    return out
+
+
+def check_episode_routing(sample, generated: dict[int, int]) -> None:
     """Every position's routed experts are those of the call that ran it first (``core.replay``): the
-    call that sampled the next token, under that token's version; a tool's observation's, the next
-    call's prefill, under the version of that call's first token."""
-    tokens, mask = list(sample.tokens), list(sample.loss_mask)
-    prompt_len = len(tokens) - sample.response_length
-    versions = expand(sample.train_metadata[TOKEN_VERSIONS_KEY])
+    call that sampled the next token, under that token's version; a tool's observation's (and the
+    prompt's), the next call's prefill, under the version of that call's first token."""
+    tokens = list(sample.tokens)
     experts = sample.rollout_routed_experts
     assert tuple(experts.shape) == (len(tokens) - 1, REPLAY.layers, REPLAY.topk)
     for i in range(len(tokens) - 1):
-        k = next(k for k in range(max(0, i + 1 - prompt_len), len(mask)) if mask[k])
-        assert experts[i].reshape(-1).tolist() == REPLAY.routing_row(versions[k], i, tokens[i]), (
-            f"position {i} of {len(tokens)}: not the routing of version {versions[k]}")
+        version = generated[min(p for p in generated if p > i)]
+        assert experts[i].reshape(-1).tolist() == REPLAY.routing_row(version, i, tokens[i]), (
+            f"position {i} of {len(tokens)}: not the routing of version {version}")
 
 
 @pytest.mark.parametrize("function", ["multi_turn", "fan_out"])
 def test_episodes_replay_the_routing_of_the_call_that_ran_each_position(moe_cluster, tmp_path, prompts, function):
     """Multi-turn episodes under copris with routing replay, weights bumped every step: each
-    returned sample (one per episode, or one per turn) holds, at each position, the routing of the
-    call that ran it first, over resumed calls and tool tokens."""
+    returned sample (one per episode, or one per turn, each with the conversation before its turn)
+    holds, at each position, the routing of the call that ran it first, over resumed calls and tool
+    tokens."""
     from tests.support import agent_functions as af
 
     af.reset()
@@ -235,10 +246,11 @@ def test_episodes_replay_the_routing_of_the_call_that_ran_each_position(moe_clus
         for step in range(8):
             output = rollout.generate_rollout(args, step, source)
             moe_cluster.bump(step + 2)
-            for s in (s for g in output.samples for m in g for s in (m if isinstance(m, list) else [m])):
-                check_episode_routing(s)
-                spanning += len({v for v, m in zip(expand(s.train_metadata[TOKEN_VERSIONS_KEY]), s.loss_mask)
-                                 if m}) > 1
+            for episode in (m if isinstance(m, list) else [m] for g in output.samples for m in g):
+                generated = generated_positions(episode)
+                spanning += len(set(generated.values())) > 1
+                for s in episode:
+                    check_episode_routing(s, generated)
             resumed += output.metrics["april/episodes/resumed_calls"]
             if step >= 2 and resumed and spanning:
                 break

@@ -22,18 +22,22 @@ A count that does not add up raises ``ValueError`` naming both sides; nothing is
 **Episodes** (a generate function's model calls, ``stitch_calls``). Every call is a trajectory of
 its own, stitched over its segments as above. A returned sample's tokens run through its calls in
 order: each call's input is the sample's tokens before that call's output. Row ``i`` of the sample
-is the row of the first call that ran position ``i``: the call that sampled token ``i + 1``, or,
-when token ``i + 1`` was not generated (a tool's observation, loss-masked), the call that consumed
-it as prompt (the next call, whose prefill ran it; under the version of that call's first token).
+is the row of the first call (in the order the function made them, among the episode's calls that
+ran a prefix of the sample) that ran position ``i``: the call that sampled token ``i + 1``, or, when
+token ``i + 1`` was not generated (a tool's observation, loss-masked, or the prompt), the call that
+read it as prompt (the next call, whose prefill ran it, under the version of that call's first
+token). A call that continues an earlier call's tokens starts out holding that call's rows and asks
+the engine only for the positions after them (``routed_experts_start_len``), so a conversation's
+rows cross the wire once, not once per turn. Positions after the last call (an observation the
+function appended and no call read) were run by no call: they repeat the last row that was run. No
+trained token follows them, so with causal attention their routing cannot change any trained
+token's loss.
 The layout (row ``i`` = the forward pass at position ``i``, ``total tokens - 1`` rows) is slime's;
 its own multi-turn path (each call asked from position 0, its rows replacing the sample's) ends
 with the last call's rows everywhere, its prefill of earlier calls' tokens too, under newer weights
 than generated them. Here each generated token keeps the routing it was sampled under, and an
 observation gets the rows of the one call that ran it as prompt (for the last observation, the
 rows slime's path gives it too).
-Positions after the last call (an observation the function appended and no call read) were run by
-no call: they repeat the last row that was run. No trained token follows them, so with causal
-attention their routing cannot change any trained token's loss.
 
 **Storage.** Raw little-endian int32 bytes (rows x layers x topk x 4 for the experts): a Python
 list of ints would take about nine times the memory. ``to_dict`` hands out immutable ``bytes``
