@@ -198,6 +198,7 @@ class GenerateFunctions:
         member.finish_reason = "length" if status == "TRUNCATED" else "stop"
         member.reward = result.reward
         member.episode_sample = plain(self.codec.sample_dict(result))
+        _release_routed(episode.served)
 
     def _finish_fanout(self, member: Trajectory, episode: Episode, results: list) -> None:
         """slime's compact shape: one episode, several training samples (e.g. one per turn, each
@@ -252,6 +253,7 @@ class GenerateFunctions:
         rewards = [r.reward for r in results]
         member.reward = None if any(r is None for r in rewards) else plain(rewards)
         member.episode_samples = entries
+        _release_routed(served)
 
     def _replay(self, where: str, result: Any, mask: list[int], calls: list[ModelCall],
                 served: list[ModelCall]) -> TokenReplay | None:
@@ -432,6 +434,15 @@ def _served_routed(where: str, tokens: list[int], mask: list[int], calls: list[M
 def _ran_a_prefix(t: Trajectory, tokens: list[int]) -> bool:
     start, end = len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)
     return end <= len(tokens) and tokens[:start] == t.prompt_ids and tokens[start:end] == t.response_ids
+
+
+def _release_routed(calls: list[ModelCall]) -> None:
+    """A finished episode's samples hold their stitched rows; its calls' own (each a whole prefix of
+    the conversation) are not needed again, though the calls stay with the episode until its group
+    is trained."""
+    for call in calls:
+        if call.trajectory.replay is not None:
+            call.trajectory.replay.routed = None
 
 
 def _as_dict(replay: TokenReplay | None) -> dict | None:
