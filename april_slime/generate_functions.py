@@ -153,8 +153,26 @@ class GenerateFunctions:
                 "weight_version": str(latest),
                 "weight_versions": spans,
                 **self._top_p_fields(t),
+                **self._routed_fields(call),
             },
         }
+
+    def _routed_fields(self, call: ModelCall) -> dict:
+        """The call's routed experts over every segment from the position the request named, as
+        SGLang sends them (``return_routed_experts``); the trained sample's are the plugin's own
+        (``_served_routed``), whatever the function keeps."""
+        start = call.request.routed_experts_from
+        if start is None:
+            return {}
+        t = call.trajectory
+        if not self.routed_width or t.replay is None or t.replay.routed is None:
+            raise EpisodeError("return_routed_experts: this job's engines return no routed experts "
+                               "(slime's --use-rollout-routing-replay is off)")
+        rows = t.replay.routed_rows
+        if start > rows:
+            raise EpisodeError(f"routed_experts_start_len {start} is past the {rows} positions the call ran")
+        raw = bytes(t.replay.routed[start * self.routed_width * INT32:])
+        return {"routed_experts": base64.b64encode(raw).decode("ascii")}
 
     def _top_p_fields(self, t: Trajectory) -> dict:
         """The call's top-p kept ids over every segment, as slime's SGLang patch sends them."""

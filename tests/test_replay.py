@@ -144,6 +144,34 @@ def test_a_call_that_continues_an_earlier_one_asks_only_for_the_positions_after_
     assert _rows_run_before(episode, a.prompt_ids + a.response_ids[:-1]) is None  # not all of A's tokens
 
 
+def test_a_call_asked_for_routed_experts_gets_them_from_the_position_it_named():
+    import asyncio
+    from types import SimpleNamespace
+
+    from april_slime.core.episodes import CallRequest, EpisodeError, ModelCall
+    from april_slime.generate_functions import GenerateFunctions
+
+    _, (a, _) = episode_calls()
+    g = GenerateFunctions.__new__(GenerateFunctions)
+    g.codec = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **k: ""))
+    g.top_p_replay, g.routed_width = False, WIDTH
+
+    def reply(start: int | None, width: int = WIDTH) -> dict:
+        g.routed_width = width
+        request = CallRequest(input_ids=list(a.prompt_ids), max_new_tokens=64, sampling_params={},
+                              routed_experts_from=start)
+        return g.reply(ModelCall(None, request, a, asyncio.Future(loop=asyncio.new_event_loop())))["meta_info"]
+
+    assert "routed_experts" not in reply(None)
+    for start in (0, 4, 9):  # over both of the call's segments
+        rows = TokenReplay(routed_width=WIDTH, routed=bytearray(base64.b64decode(reply(start)["routed_experts"])))
+        assert row_tags(rows) == row_tags(a.replay)[start:]
+    with pytest.raises(EpisodeError, match="routed_experts_start_len 10 is past the 9 positions"):
+        reply(10)
+    with pytest.raises(EpisodeError, match="use-rollout-routing-replay is off"):
+        reply(0, width=0)
+
+
 def test_a_sample_whose_calls_do_not_continue_its_tokens_is_refused():
     from types import SimpleNamespace
 

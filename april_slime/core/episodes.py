@@ -79,6 +79,8 @@ class CallRequest:
     sampling_params: dict  # the call's own, without max_new_tokens and without the episode marker
     text: str | None = None  # the prompt as text, when the function sent text
     stop: tuple[str, ...] = ()  # stop strings, honoured across segment boundaries
+    # ``return_routed_experts``: the reply carries the routed experts from this position on (None: not asked)
+    routed_experts_from: int | None = None
 
 
 @dataclass

@@ -200,14 +200,19 @@ def first_call_versions(s) -> list[int]:
     return [from_token[max(0, i + 1 - prompt_len)] for i in range(len(s.tokens) - 1)]
 
 
-def test_agent_turns_replay_the_routing_of_the_call_that_ran_each_position(moe_stack, hf_moe, tmp_path):
+@pytest.mark.parametrize("function", ["text_then_ids", "keeps_routed_experts"])
+def test_agent_turns_replay_the_routing_of_the_call_that_ran_each_position(moe_stack, hf_moe, tmp_path, function):
+    """``keeps_routed_experts`` also asks the front for routed experts and keeps them in its own
+    sample with slime's ``Sample.append_response_tokens``: they must be the rows the plugin trains."""
+    import torch
+
     v0 = moe_stack.weight_version()
     weights_of = {v0 + k: "AB"[k % 2] for k in range(12)}
     settings = {"april_policy": "copris", "april_concurrency": 12, "april_over_sampling_factor": 2.0}
     m = SlimeRolloutManager(plugin_args(
         moe_stack, tmp_path, settings=settings, batch=2, n=2, max_len=af.TURNS * af.REAL_PER_TURN,
         extra_argv=["--use-rollout-routing-replay",
-                    "--custom-generate-function-path", "tests.support.agent_functions.text_then_ids"], **MOE))
+                    "--custom-generate-function-path", f"tests.support.agent_functions.{function}"], **MOE))
     resumed_calls = spanning = turned = positions = near_ties = 0
     af.reset()
     af.TOOLS_ACROSS_STEPS.add(0)  # group 0's next turns run under the weights of later steps
@@ -223,6 +228,8 @@ def test_agent_turns_replay_the_routing_of_the_call_that_ran_each_position(moe_s
             for s, experts in zip(samples, train["rollout_routed_experts"]):
                 assert tuple(experts.shape) == (len(s.tokens) - 1, LAYERS, TOPK)
                 assert s.loss_mask.count(0) >= af.TURNS - 1, "no observation tokens"
+                if function == "keeps_routed_experts":
+                    assert torch.equal(torch.as_tensor(af.KEPT_ROWS[s.index]), torch.as_tensor(experts))
                 versions, mask = token_versions(s), s.loss_mask
                 spanning += len({v for v, keep in zip(versions, mask) if keep}) > 1
                 row_version = first_call_versions(s)
