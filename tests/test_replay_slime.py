@@ -277,3 +277,37 @@ def test_episodes_whose_calls_do_not_continue_one_sequence_stop_the_job(moe_clus
     message = str(refused.value)
     assert "concurrent_turns cannot run under the plugin" in message and "\n" not in message, message
     assert "with use_rollout_routing_replay each model call's input_ids must be" in message
+
+
+@pytest.mark.parametrize("function", ["multi_turn", "fan_out"])
+def test_finished_episodes_keep_their_routing_across_a_restart(moe_cluster, tmp_path, prompts, function):
+    """A checkpoint of a routing-replay job keeps its finished episodes (their samples' rows are
+    whole); the restored job trains them with those rows, and restarts only the unfinished ones."""
+    from tests.support import agent_functions as af
+
+    af.reset()
+    settings = dict(april_policy="copris", april_concurrency=12, april_over_sampling_factor=3.0, **MOE,
+                    custom_generate_function_path=f"tests.support.agent_functions.{function}")
+    args = point_at(make_args(tmp_path, prompts, **settings), moe_cluster)
+    source = rollout.AprilDataSource(args)
+    try:
+        rollout.generate_rollout(args, 0, source)
+        source.save(0)
+        rollout.shutdown()
+        saved = json.loads(next(tmp_path.rglob("april_state_0.json")).read_text())["buffer"]["groups"]
+        finished = {t["uid"] for g in saved for t in g["trajectories"]
+                    if t["episode_sample"] is not None or t["episode_samples"] is not None}
+        assert finished, "no finished episode was buffered; the test needs one"
+        moe_cluster.bump(2)
+
+        restarted = point_at(make_args(tmp_path, prompts, load=args.save, **settings), moe_cluster)
+        source2 = rollout.AprilDataSource(restarted)
+        source2.load(0)
+        assert {t.uid for g in source2.buffer.groups() for t in g.trajectories if t.response_ids} == finished
+        output = rollout.generate_rollout(restarted, 1, source2)
+        for episode in (m if isinstance(m, list) else [m] for g in output.samples for m in g):
+            generated = generated_positions(episode)
+            for s in episode:
+                check_episode_routing(s, generated)
+    finally:
+        af.reset()
