@@ -22,6 +22,8 @@ response is matched, in order, against the tokens the plugin served the episode;
 trainable tokens are not exactly those fails loudly (the episode is re-run, then given up). A
 function may return ``list[Sample]`` (slime's compact shape): each sample's trainable tokens are
 then whole calls' outputs in call order, and together the samples hold every call's output.
+With ``--use-rollout-routing-replay`` each returned sample's routed experts are stitched over the
+calls that ran its tokens (``_served_routed``; the rule, and why, in ``core.replay``).
 """
 
 from __future__ import annotations
