@@ -16,6 +16,7 @@ from april_slime import settings, slime_compat
 from april_slime.core import checkpoint
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.config import AprilConfig, AprilConfigError
+from april_slime.core.replay import TokenReplay
 from april_slime.core.types import Group
 from april_slime.generate_functions import load_generate_function
 from april_slime.samples import SampleCodec, Slime, leaves, replay_spec
@@ -36,11 +37,7 @@ def load_config(args: Any) -> AprilConfig:
     if getattr(args, "rollout_max_response_len", None) is None:
         raise AprilConfigError("rollout_max_response_len: must be set; it is the response budget that "
                                "partial rollouts are resumed against")
-    spec = replay_spec(args)
-    if spec.routed and getattr(args, "custom_generate_function_path", None):
-        raise AprilConfigError("use_rollout_routing_replay: not supported with custom_generate_function_path "
-                               "(multi-turn episodes): a trained sample's routed experts would have to be "
-                               "stitched across its model calls, which april_slime does not do")
+    replay_spec(args)  # its settings are checked at start
     return config
 
 
@@ -155,8 +152,9 @@ class AprilDataSource:
             for t in group.trajectories:
                 if not spec.active:
                     t.replay = None
-                elif t.response_ids and (t.replay is None or t.replay.covers(
-                        spec, len(t.prompt_ids) if t.episode_sample is None else 0, t.response_length)):
+                    for entry in t.episode_samples or []:
+                        entry["replay"] = None
+                elif t.response_ids and not _holds_replay(t, spec):
                     t.reset()
                     restarted += 1
                     if getattr(self.args, "custom_generate_function_path", None):
@@ -164,3 +162,25 @@ class AprilDataSource:
         if restarted:
             logger.warning("%d buffered samples hold no routed experts / top-p kept ids for what they "
                            "generated; they restart from their prompts", restarted)
+
+
+def _holds_replay(t: Any, spec: Any) -> bool:
+    """Whether a buffered trajectory holds what ``spec`` replays for each sample it trains as: its
+    own tokens, an episode's returned sample's, or each of a fan-out's samples'."""
+    if t.episode_samples is not None:
+        return all(_covers(entry.get("replay"), spec, entry["sample"]) for entry in t.episode_samples)
+    if t.episode_sample is not None:
+        return _covers(t.replay, spec, t.episode_sample)
+    return t.replay is not None and t.replay.covers(spec, len(t.prompt_ids), t.response_length) is None
+
+
+def _covers(replay: Any, spec: Any, sample: dict) -> bool:
+    if replay is None:
+        return False
+    if isinstance(replay, dict):
+        try:
+            replay = TokenReplay.from_dict(replay)
+        except ValueError:
+            return False  # damaged: the sample restarts from its prompt
+    tokens, length = len(sample.get("tokens") or []), int(sample.get("response_length") or 0)
+    return replay.covers(spec, tokens - length, length) is None

@@ -22,6 +22,8 @@ response is matched, in order, against the tokens the plugin served the episode;
 trainable tokens are not exactly those fails loudly (the episode is re-run, then given up). A
 function may return ``list[Sample]`` (slime's compact shape): each sample's trainable tokens are
 then whole calls' outputs in call order, and together the samples hold every call's output.
+With ``--use-rollout-routing-replay`` each returned sample's routed experts are stitched over the
+calls that ran its tokens (``_served_routed``; the rule, and why, in ``core.replay``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 
 from april_slime.core.config import AprilConfigError
 from april_slime.core.episodes import Episode, EpisodeError, EpisodeRefused, ModelCall
-from april_slime.core.replay import INT32, TokenReplay, int32_bytes
+from april_slime.core.replay import INT32, TokenReplay, int32_bytes, stitch_calls
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.samples import SampleCodec, Slime, plain, replay_spec
 
@@ -67,7 +69,9 @@ class GenerateFunctions:
         self.args = args
         self.codec = codec
         self.default_path = getattr(args, "custom_generate_function_path", None)
-        self.top_p_replay = replay_spec(args).top_p  # calls' replies carry their top-p kept ids
+        spec = replay_spec(args)
+        self.top_p_replay = spec.top_p  # calls' replies carry their top-p kept ids
+        self.routed_width = spec.routed_width  # int32 per routed-experts row; 0: none replayed
         self.sampling_params = {**sampling_params, "max_new_tokens": args.rollout_max_response_len}
         self.function_args: Any = None  # set by point_at(front)
         self._functions: dict[str, Any] = {}
@@ -151,8 +155,26 @@ class GenerateFunctions:
                 "weight_version": str(latest),
                 "weight_versions": spans,
                 **self._top_p_fields(t),
+                **self._routed_fields(call),
             },
         }
+
+    def _routed_fields(self, call: ModelCall) -> dict:
+        """The call's routed experts over every segment from the position the request named, as
+        SGLang sends them (``return_routed_experts``); the trained sample's are the plugin's own
+        (``_served_routed``), whatever the function keeps."""
+        start = call.request.routed_experts_from
+        if start is None:
+            return {}
+        t = call.trajectory
+        if not self.routed_width or t.replay is None or t.replay.routed is None:
+            raise EpisodeError("return_routed_experts: this job's engines return no routed experts "
+                               "(slime's --use-rollout-routing-replay is off)")
+        rows = t.replay.routed_rows
+        if start > rows:
+            raise EpisodeError(f"routed_experts_start_len {start} is past the {rows} positions the call ran")
+        raw = bytes(t.replay.routed[start * self.routed_width * INT32:])
+        return {"routed_experts": base64.b64encode(raw).decode("ascii")}
 
     def _top_p_fields(self, t: Trajectory) -> dict:
         """The call's top-p kept ids over every segment, as slime's SGLang patch sends them."""
@@ -187,7 +209,7 @@ class GenerateFunctions:
         member.response_ids, member.logprobs = response, [float(x) for x in logprobs]
         member.loss_mask = mask
         member.version_runs = _runs(versions)
-        member.replay = _served_top_p(mask, episode.served) if self.top_p_replay else None
+        member.replay = self._replay(member.uid, result, mask, episode.served, episode.served)
         member.max_new_tokens = max(member.max_new_tokens, len(response))
         member.call_versions = [v for c in episode.served for v in c.trajectory.call_versions]
         member.num_calls = sum(c.trajectory.num_calls for c in episode.served)
@@ -196,6 +218,7 @@ class GenerateFunctions:
         member.finish_reason = "length" if status == "TRUNCATED" else "stop"
         member.reward = result.reward
         member.episode_sample = plain(self.codec.sample_dict(result))
+        _release_routed(episode.served)
 
     def _finish_fanout(self, member: Trajectory, episode: Episode, results: list) -> None:
         """slime's compact shape: one episode, several training samples (e.g. one per turn, each
@@ -228,8 +251,8 @@ class GenerateFunctions:
                             "call_versions": [v for k in calls for v in served[k].trajectory.call_versions],
                             "num_calls": sum(served[k].trajectory.num_calls for k in calls),
                             "num_aborts": sum(served[k].trajectory.num_aborts for k in calls),
-                            "replay": (_served_top_p(mask, [served[k] for k in calls]).to_dict()
-                                       if self.top_p_replay else None)})
+                            "replay": _as_dict(self._replay(where, result, mask, [served[k] for k in calls],
+                                                            served))})
         unused = [k for k, c in enumerate(served) if c.trajectory.response_ids and k not in used]
         if unused:
             raise EpisodeError(f"sample {member.uid}: the tokens of model call(s) {unused} of {len(served)} reach "
@@ -250,6 +273,18 @@ class GenerateFunctions:
         rewards = [r.reward for r in results]
         member.reward = None if any(r is None for r in rewards) else plain(rewards)
         member.episode_samples = entries
+        _release_routed(served)
+
+    def _replay(self, where: str, result: Any, mask: list[int], calls: list[ModelCall],
+                served: list[ModelCall]) -> TokenReplay | None:
+        """What training replays of one returned sample, from the calls whose tokens it holds (in
+        order) and the episode's other ``served`` calls that ran a prefix of it."""
+        replay = _served_top_p(mask, calls) if self.top_p_replay else None
+        if self.routed_width:
+            replay = replay if replay is not None else TokenReplay()
+            replay.routed_width = self.routed_width
+            replay.routed = _served_routed(where, list(result.tokens), mask, calls, served, self.routed_width)
+        return replay
 
     def _checked(self, where: str, result: Any) -> tuple[str, list[int], list[int], list[float]]:
         """A returned sample's status, response tokens, loss mask and log-probs, or ``EpisodeError``."""
@@ -378,6 +413,60 @@ def _served_top_p(mask: list[int], served: list[ModelCall]) -> TokenReplay:
         counts.append(offsets[pos + 1] - offsets[pos])
         pos += 1
     return TokenReplay(top_p_ids=ids, top_p_counts=bytearray(int32_bytes(counts)))
+
+
+ROUTED_NOT_A_PREFIX = (
+    "sample {where}: with use_rollout_routing_replay each model call's input_ids must be the returned "
+    "sample's tokens before that call's output_ids (model call {n} of {calls}: {what}); the routed experts "
+    "the engine ran are those of the call's own input, so a function whose calls do not continue its "
+    "sample's tokens (concurrent calls, a prompt re-tokenized differently) cannot be replayed")
+
+
+def _served_routed(where: str, tokens: list[int], mask: list[int], calls: list[ModelCall],
+                   served: list[ModelCall], width: int) -> bytearray:
+    """The routed experts of a returned sample's ``len(tokens) - 1`` positions, stitched over the
+    episode's calls that ran a prefix of it, in the order they were made (``core.replay.stitch_calls``:
+    each position's from the first call that ran it, a tool's observation's from the call that read
+    it as prompt; one sample of a fan-out gets the rows its conversation got in the calls before
+    its own). Each of ``calls`` (those whose tokens it holds) must have run a prefix of the sample:
+    ``EpisodeRefused`` otherwise (the function's code, not this episode's luck)."""
+    if not mask:
+        return bytearray()
+    own = [c for c in calls if c.trajectory.response_ids]
+    for n, call in enumerate(own):
+        t = call.trajectory
+        start, end = len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)
+        what = None
+        if tokens[:start] != t.prompt_ids:
+            what = f"its {start} input ids are not the sample's first {start} tokens"
+        elif tokens[start:end] != t.response_ids:
+            what = f"its {end - start} output ids are not the sample's tokens {start} to {end}"
+        if what is not None:
+            raise EpisodeRefused(ROUTED_NOT_A_PREFIX.format(where=where, n=n, calls=len(own), what=what))
+    mine = {id(c) for c in own}
+    ran = [c for c in served if id(c) in mine or (c.trajectory.response_ids and _ran_a_prefix(c.trajectory, tokens))]
+    try:
+        return stitch_calls(width, len(tokens) - 1, [c.trajectory.replay for c in ran])
+    except ValueError as e:
+        raise EpisodeError(f"sample {where}: {e}") from None
+
+
+def _ran_a_prefix(t: Trajectory, tokens: list[int]) -> bool:
+    start, end = len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)
+    return end <= len(tokens) and tokens[:start] == t.prompt_ids and tokens[start:end] == t.response_ids
+
+
+def _release_routed(calls: list[ModelCall]) -> None:
+    """A finished episode's samples hold their stitched rows; its calls' own (each a whole prefix of
+    the conversation) are not needed again, though the calls stay with the episode until its group
+    is trained."""
+    for call in calls:
+        if call.trajectory.replay is not None:
+            call.trajectory.replay.routed = None
+
+
+def _as_dict(replay: TokenReplay | None) -> dict | None:
+    return replay.to_dict() if replay is not None else None
 
 
 def _runs(versions: list[int]) -> list[list[int]]:

@@ -190,6 +190,29 @@ def put_replay(s: Any, replay: TokenReplay | None, spec: ReplaySpec, uid: str) -
         s.rollout_topk_log_probs = _float32_tensor(replay.topk_log_probs).reshape(-1, spec.topk)
 
 
+def put_placeholder_replay(s: Any, spec: ReplaySpec) -> None:
+    """Replay fields of the shapes slime checks for a sample that trains nothing (a masked member:
+    loss mask 0, ``remove_sample``): no engine computed its positions, and none of its values
+    reaches a loss. Routed rows name the experts 0..top-k-1, valid and distinct, so the replayed
+    forward runs as on any sample."""
+    if not spec.active:
+        return
+    import torch
+
+    n = len(s.tokens)
+    if spec.routed:
+        row = torch.arange(spec.routed_topk, dtype=torch.int32)
+        s.rollout_routed_experts = row.repeat(n - 1, spec.routed_layers, 1)
+    if spec.top_p:
+        s.rollout_top_p_token_ids = torch.tensor(s.tokens[n - s.response_length:], dtype=torch.int32)
+        s.rollout_top_p_token_offsets = torch.arange(s.response_length + 1, dtype=torch.int32)
+    if spec.top_p_log_probs:
+        s.rollout_top_p_log_probs = torch.zeros(s.response_length, dtype=torch.float32)
+    if spec.topk:
+        s.rollout_topk_token_ids = torch.arange(spec.topk, dtype=torch.int32).repeat(s.response_length, 1)
+        s.rollout_topk_log_probs = torch.zeros(s.response_length, spec.topk, dtype=torch.float32)
+
+
 def take_replay(s: Any, spec: ReplaySpec) -> TokenReplay | None:
     """A slime sample's replay fields as a ``TokenReplay`` (None when it holds none of them), as
     slime's own code leaves them; a shape that does not fit ``spec`` raises ``ValueError``."""
@@ -314,11 +337,6 @@ class SampleCodec:
         """The slime sample of one trajectory, shaped as slime's own ``generate`` leaves it (an
         episode's: as its generate function returned it, with the plugin's metadata added; a list
         of samples where the function returned one)."""
-        if (t.episode_samples is not None or t.episode_sample is not None) and self.replay.routed:
-            # a prompt's own Sample.generate_function_path (the job's is refused at start)
-            raise RuntimeError(f"sample {t.uid}: use_rollout_routing_replay is not supported for multi-turn "
-                               "episodes (its generate_function_path): its routed experts would have to be "
-                               "stitched across its model calls")
         if t.status is TrajectoryStatus.FAILED:
             return self._masked_sample(group, t, current_version)
         if t.episode_samples is not None:
@@ -347,11 +365,7 @@ class SampleCodec:
         s.response, s.response_length = "", 1
         s.rollout_log_probs, s.loss_mask = [0.0], [0]
         s.status, s.remove_sample = self.slime.Sample.Status.FAILED, True
-        if self.replay.top_p:  # slime checks every sample's kept ids (routed replay refuses episodes)
-            import torch
-
-            s.rollout_top_p_token_ids = torch.tensor([s.tokens[-1]], dtype=torch.int32)
-            s.rollout_top_p_token_offsets = torch.tensor([0, 1], dtype=torch.int32)
+        put_placeholder_replay(s, self.replay)
         version = current_version if current_version is not None else 0
         return self._with_plugin_fields(s, group.restarts, masked_reward(self.args), [[version, 1]], [], 0, 0,
                                         current_version)

@@ -86,6 +86,15 @@ async def test_explicit_max_new_tokens_stop_list_and_other_custom_params_kept(fr
     assert req.sampling_params == {"stop": ["a", "b"], "custom_params": {"k": 1}}
 
 
+@pytest.mark.parametrize("extra, start", [({}, None), ({"return_routed_experts": False}, None),
+                                          ({"return_routed_experts": True}, 0),
+                                          ({"return_routed_experts": True, "routed_experts_start_len": 9}, 9)])
+async def test_routed_experts_asked_for_from_a_position(front, extra, start):
+    status, _ = await post(front, {"input_ids": [1], "sampling_params": MARK, **extra})
+    assert status == 200
+    assert front.runner.calls[-1][1].routed_experts_from == start
+
+
 async def test_text_is_tokenized(front):
     status, _ = await post(front, {"text": "hi", "sampling_params": MARK})
     assert status == 200
@@ -110,6 +119,7 @@ async def test_text_is_tokenized(front):
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": 0, **MARK}}, "max_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": "8", **MARK}}, "max_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"stop": 3, **MARK}}, "stop"),
+    ({"input_ids": [1], "return_routed_experts": True, "routed_experts_start_len": -1}, "routed_experts_start_len"),
 ])
 async def test_refused_shapes_name_the_field(front, extra, field):
     payload = {"sampling_params": MARK, **extra}

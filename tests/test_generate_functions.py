@@ -27,6 +27,7 @@ def functions() -> GenerateFunctions:
     g = GenerateFunctions.__new__(GenerateFunctions)
     g.codec = SimpleNamespace(tokenizer=CharTokenizer())
     g.top_p_replay = False
+    g.routed_width = 0
     return g
 
 

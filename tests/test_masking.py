@@ -187,3 +187,18 @@ def test_vcpos_group_std_leaves_the_masked_members_out():
         kept = [raw[4 * group + k] for k in range(4) if k not in masked[group]]
         assert entry[OPOB_GROUP_KEY]["reward_std"] == pytest.approx(statistics.pstdev(kept), rel=1e-12)
         assert entry[OPOB_GROUP_KEY]["group"] == group and entry[OPOB_GROUP_KEY]["size"] == 4
+
+
+def test_a_masked_sample_carries_replay_fields_of_the_shapes_training_reads():
+    """Under routing / top-p / top-k replay a masked member has no engine rows: it gets placeholders
+    of the shapes slime checks, which the plugin's own reading accepts as covering the sample."""
+    from april_slime.core.replay import ReplaySpec
+    from april_slime.samples import put_placeholder_replay, take_replay
+
+    spec = ReplaySpec(routed_layers=2, routed_topk=3, top_p=True, top_p_log_probs=True, topk=4)
+    s = SimpleNamespace(tokens=[5, 6, 7, 7], response_length=1)
+    put_placeholder_replay(s, spec)
+    assert tuple(s.rollout_routed_experts.shape) == (3, 2, 3)  # tokens - 1 rows
+    assert all(sorted(row.tolist()) == [0, 1, 2] for row in s.rollout_routed_experts.reshape(-1, 3))
+    replay = take_replay(s, spec)
+    assert replay is not None and replay.covers(spec, prompt_len=3, response_len=1) is None

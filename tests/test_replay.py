@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from april_slime.core.replay import ReplaySpec, SegmentReplay, TokenReplay, int32_values
+from april_slime.core.replay import ReplaySpec, SegmentReplay, TokenReplay, int32_values, stitch_calls
 from april_slime.core.sglang_protocol import (
     EngineReplyError,
     ask_for_replay,
@@ -80,6 +80,115 @@ def test_each_position_keeps_the_rows_of_the_call_that_generated_its_next_token(
         (3, p) for p in range(11, 13)]
     assert t.replay.top_p_tokens == 9
     assert t.replay.top_p_offsets() == list(range(0, 19, 2))
+
+
+# ------------------------------------------------------------------ episodes: rows over model calls
+TOOL = [7, 8, 9]
+
+
+def episode_calls(trailing_tool: bool = False) -> tuple[list[int], list[Trajectory]]:
+    """A sample of two model calls with a tool's tokens between them: call A resumed once (tags 1
+    and 2), call B in one piece (tag 3) on the sample's tokens so far. Returns the sample's tokens."""
+    a = trajectory(prompt_len=5)
+    step(a, 3, tag=1)  # aborted
+    step(a, 2, tag=2)  # resumed under other weights
+    b = Trajectory(uid="g/0@0.1", group_uid="g", index_in_group=0, prompt_ids=a.input_ids() + TOOL,
+                   max_new_tokens=64, sampling_seed=3)
+    step(b, 4, tag=3)
+    return b.input_ids() + (TOOL[:2] if trailing_tool else []), [a, b]
+
+
+def test_an_episode_keeps_each_position_of_the_call_that_ran_it_first():
+    tokens, (a, b) = episode_calls()
+    assert len(tokens) == 5 + 5 + 3 + 4
+    out = TokenReplay(routed_width=WIDTH, routed=stitch_calls(WIDTH, len(tokens) - 1, [a.replay, b.replay]))
+    # positions 0..8 (prompt and call A's tokens but its last) are A's, as its segments left them;
+    # position 9 (A's last token, which the tool follows) and the tool's 10..12 were first run by
+    # call B, whose prefill read them as prompt; 13..15 are B's own
+    assert row_tags(out) == [(1, p) for p in range(0, 7)] + [(2, p) for p in range(7, 9)] + [
+        (3, p) for p in range(9, 16)]
+
+
+def test_positions_no_call_ran_repeat_the_last_row_that_was_run():
+    tokens, (a, b) = episode_calls(trailing_tool=True)
+    out = TokenReplay(routed_width=WIDTH, routed=stitch_calls(WIDTH, len(tokens) - 1, [a.replay, b.replay]))
+    assert out.routed_rows == len(tokens) - 1 == 18
+    assert row_tags(out)[15:] == [(3, 15)] * 3
+
+
+def test_an_episode_whose_call_holds_no_rows_or_too_many_is_refused():
+    tokens, (a, b) = episode_calls()
+    with pytest.raises(ValueError, match="model call 1 holds no routed experts of 4 int32"):
+        stitch_calls(WIDTH, len(tokens) - 1, [a.replay, None])
+    with pytest.raises(ValueError, match="model call 1 ran 16 positions of a sample of 15 tokens"):
+        stitch_calls(WIDTH, 14, [a.replay, b.replay])
+    with pytest.raises(ValueError, match="no model call ran"):
+        stitch_calls(WIDTH, 3, [])
+
+
+def test_a_call_that_continues_an_earlier_one_asks_only_for_the_positions_after_its_rows():
+    from types import SimpleNamespace
+
+    from april_slime.core.episodes import _rows_run_before
+
+    tokens, (a, b) = episode_calls()
+    episode = SimpleNamespace(served=[SimpleNamespace(trajectory=a)])
+    t = Trajectory(uid="g/0@0.1", group_uid="g", index_in_group=0, prompt_ids=list(b.prompt_ids), max_new_tokens=64,
+                   sampling_seed=3)
+    t.replay = _rows_run_before(episode, t.prompt_ids)
+    assert t.replay_rows == 9 and t.replay.top_p_counts is None
+    step(t, 4, tag=3)  # the engine sends positions 9.. only
+    assert row_tags(t.replay) == row_tags(a.replay) + [(3, p) for p in range(9, 16)]
+    assert t.replay.top_p_tokens == 4
+    assert _rows_run_before(episode, [99] + t.prompt_ids[1:]) is None  # another conversation
+    assert _rows_run_before(episode, a.prompt_ids + a.response_ids[:-1]) is None  # not all of A's tokens
+
+
+def test_a_call_asked_for_routed_experts_gets_them_from_the_position_it_named():
+    import asyncio
+    from types import SimpleNamespace
+
+    from april_slime.core.episodes import CallRequest, EpisodeError, ModelCall
+    from april_slime.generate_functions import GenerateFunctions
+
+    _, (a, _) = episode_calls()
+    g = GenerateFunctions.__new__(GenerateFunctions)
+    g.codec = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **k: ""))
+    g.top_p_replay, g.routed_width = False, WIDTH
+
+    def reply(start: int | None, width: int = WIDTH) -> dict:
+        g.routed_width = width
+        request = CallRequest(input_ids=list(a.prompt_ids), max_new_tokens=64, sampling_params={},
+                              routed_experts_from=start)
+        return g.reply(ModelCall(None, request, a, asyncio.Future(loop=asyncio.new_event_loop())))["meta_info"]
+
+    assert "routed_experts" not in reply(None)
+    for start in (0, 4, 9):  # over both of the call's segments
+        rows = TokenReplay(routed_width=WIDTH, routed=bytearray(base64.b64decode(reply(start)["routed_experts"])))
+        assert row_tags(rows) == row_tags(a.replay)[start:]
+    with pytest.raises(EpisodeError, match="routed_experts_start_len 10 is past the 9 positions"):
+        reply(10)
+    with pytest.raises(EpisodeError, match="use-rollout-routing-replay is off"):
+        reply(0, width=0)
+
+
+def test_a_sample_whose_calls_do_not_continue_its_tokens_is_refused():
+    from types import SimpleNamespace
+
+    from april_slime.core.episodes import EpisodeRefused
+    from april_slime.generate_functions import _served_routed
+
+    tokens, trajectories = episode_calls()
+    calls = [SimpleNamespace(trajectory=t) for t in trajectories]
+    mask = [1] * 5 + [0] * 3 + [1] * 4
+    assert _served_routed("s", tokens, mask, calls, calls, WIDTH) == stitch_calls(
+        WIDTH, len(tokens) - 1, [t.replay for t in trajectories])
+    retokenized = tokens[:11] + [70] + tokens[12:]  # the tool's text tokenized otherwise
+    with pytest.raises(EpisodeRefused, match="model call 1 of 2: its 13 input ids are not the sample's first 13"):
+        _served_routed("s", retokenized, mask, calls, calls, WIDTH)
+    shifted = tokens[:13] + [9] + tokens[13:]
+    with pytest.raises(EpisodeRefused, match="call 1 of 2: its 4 output ids are not the sample's tokens 13 to 17"):
+        _served_routed("s", shifted, mask + [0], calls, calls, WIDTH)
 
 
 def test_a_row_short_or_over_fails_loudly_and_appends_nothing():

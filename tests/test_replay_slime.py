@@ -200,3 +200,113 @@ def test_episodes_carry_the_top_p_kept_ids_of_their_calls(moe_cluster, tmp_path,
     finally:
         af.reset()
     assert checked and resumed, "no episode's call was resumed across a step"
+
+
+def generated_positions(samples) -> dict[int, int]:
+    """Position -> version of every generated (loss-mask 1) token of an episode's samples (one, or
+    a fan-out's, each holding the conversation before its turn)."""
+    out = {}
+    for s in samples:
+        prompt_len = len(s.tokens) - s.response_length
+        for k, (m, v) in enumerate(zip(s.loss_mask, expand(s.train_metadata[TOKEN_VERSIONS_KEY]))):
+            if m:
+                out[prompt_len + k] = v
+    return out
+
+
+def check_episode_routing(sample, generated: dict[int, int]) -> None:
+    """Every position's routed experts are those of the call that ran it first (``core.replay``): the
+    call that sampled the next token, under that token's version; a tool's observation's (and the
+    prompt's), the next call's prefill, under the version of that call's first token."""
+    tokens = list(sample.tokens)
+    experts = sample.rollout_routed_experts
+    assert tuple(experts.shape) == (len(tokens) - 1, REPLAY.layers, REPLAY.topk)
+    for i in range(len(tokens) - 1):
+        version = generated[min(p for p in generated if p > i)]
+        assert experts[i].reshape(-1).tolist() == REPLAY.routing_row(version, i, tokens[i]), (
+            f"position {i} of {len(tokens)}: not the routing of version {version}")
+
+
+@pytest.mark.parametrize("function", ["multi_turn", "fan_out"])
+def test_episodes_replay_the_routing_of_the_call_that_ran_each_position(moe_cluster, tmp_path, prompts, function):
+    """Multi-turn episodes under copris with routing replay, weights bumped every step: each
+    returned sample (one per episode, or one per turn, each with the conversation before its turn)
+    holds, at each position, the routing of the call that ran it first, over resumed calls and tool
+    tokens."""
+    from tests.support import agent_functions as af
+
+    af.reset()
+    args = point_at(make_args(tmp_path, prompts, april_policy="copris", april_concurrency=12, **MOE,
+                              custom_generate_function_path=f"tests.support.agent_functions.{function}"),
+                    moe_cluster)
+    source = rollout.AprilDataSource(args)
+    spanning = resumed = 0
+    try:
+        for step in range(8):
+            output = rollout.generate_rollout(args, step, source)
+            moe_cluster.bump(step + 2)
+            for episode in (m if isinstance(m, list) else [m] for g in output.samples for m in g):
+                generated = generated_positions(episode)
+                spanning += len(set(generated.values())) > 1
+                for s in episode:
+                    check_episode_routing(s, generated)
+            resumed += output.metrics["april/episodes/resumed_calls"]
+            if step >= 2 and resumed and spanning:
+                break
+    finally:
+        af.reset()
+    assert resumed, "no episode's call was resumed across a step"
+    assert spanning, "no sample's model tokens span two versions; the stitch over calls was not checked"
+
+
+def test_episodes_whose_calls_do_not_continue_one_sequence_stop_the_job(moe_cluster, tmp_path, prompts):
+    """Two calls awaited together (``agent_functions.concurrent_turns``) ran on other inputs than the
+    sample's tokens: their routing cannot be replayed on it, and the first step says so."""
+    from tests.support import agent_functions as af
+
+    af.reset()
+    args = point_at(make_args(tmp_path, prompts, april_policy="copris", **MOE,
+                              custom_generate_function_path="tests.support.agent_functions.concurrent_turns"),
+                    moe_cluster)
+    try:
+        with pytest.raises(Exception) as refused:
+            rollout.generate_rollout(args, 0, rollout.AprilDataSource(args))
+    finally:
+        af.reset()
+    message = str(refused.value)
+    assert "concurrent_turns cannot run under the plugin" in message and "\n" not in message, message
+    assert "with use_rollout_routing_replay each model call's input_ids must be" in message
+
+
+@pytest.mark.parametrize("function", ["multi_turn", "fan_out"])
+def test_finished_episodes_keep_their_routing_across_a_restart(moe_cluster, tmp_path, prompts, function):
+    """A checkpoint of a routing-replay job keeps its finished episodes (their samples' rows are
+    whole); the restored job trains them with those rows, and restarts only the unfinished ones."""
+    from tests.support import agent_functions as af
+
+    af.reset()
+    settings = dict(april_policy="copris", april_concurrency=12, april_over_sampling_factor=3.0, **MOE,
+                    custom_generate_function_path=f"tests.support.agent_functions.{function}")
+    args = point_at(make_args(tmp_path, prompts, **settings), moe_cluster)
+    source = rollout.AprilDataSource(args)
+    try:
+        rollout.generate_rollout(args, 0, source)
+        source.save(0)
+        rollout.shutdown()
+        saved = json.loads(next(tmp_path.rglob("april_state_0.json")).read_text())["buffer"]["groups"]
+        finished = {t["uid"] for g in saved for t in g["trajectories"]
+                    if t["episode_sample"] is not None or t["episode_samples"] is not None}
+        assert finished, "no finished episode was buffered; the test needs one"
+        moe_cluster.bump(2)
+
+        restarted = point_at(make_args(tmp_path, prompts, load=args.save, **settings), moe_cluster)
+        source2 = rollout.AprilDataSource(restarted)
+        source2.load(0)
+        assert {t.uid for g in source2.buffer.groups() for t in g.trajectories if t.response_ids} == finished
+        output = rollout.generate_rollout(restarted, 1, source2)
+        for episode in (m if isinstance(m, list) else [m] for g in output.samples for m in g):
+            generated = generated_positions(episode)
+            for s in episode:
+                check_episode_routing(s, generated)
+    finally:
+        af.reset()

@@ -115,8 +115,6 @@ def test_settings_come_from_custom_config_yaml(slime_mode, tmp_path, prompts):
     ({"april_concurrency": 0}, "april_concurrency:"),
     ({"rollout_top_p": 0.0}, "rollout_top_p:"),
     ({"use_rollout_routing_replay": True}, "use_rollout_routing_replay:"),  # no num_layers / moe_router_topk
-    ({"use_rollout_routing_replay": True, "num_layers": 2, "moe_router_topk": 2,
-      "custom_generate_function_path": "tests.support.agent_functions.multi_turn"}, "use_rollout_routing_replay:"),
     ({"rollout_max_response_len": None}, "rollout_max_response_len:"),
     ({"custom_generate_function_path": "x.y"}, "custom_generate_function_path:"),
 ])

@@ -56,6 +56,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from april_slime.core.replay import TokenReplay
 from april_slime.core.step_context import EpisodeCallAsked, EpisodeEnded, StepEvent
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.core.work import TrajectoryWork
@@ -85,6 +86,8 @@ class CallRequest:
     sampling_params: dict  # the call's own, without max_new_tokens and without the episode marker
     text: str | None = None  # the prompt as text, when the function sent text
     stop: tuple[str, ...] = ()  # stop strings, honoured across segment boundaries
+    # ``return_routed_experts``: the reply carries the routed experts from this position on (None: not asked)
+    routed_experts_from: int | None = None
 
 
 @dataclass
@@ -300,6 +303,7 @@ class EpisodeRunner:
         t = Trajectory(uid=uid, group_uid=member.group_uid, index_in_group=member.index_in_group,
                        prompt_ids=list(request.input_ids), max_new_tokens=request.max_new_tokens,
                        sampling_seed=member.sampling_seed, sampling_params=dict(request.sampling_params))
+        t.replay = _rows_run_before(episode, t.prompt_ids)
         call = ModelCall(episode, request, t, asyncio.get_running_loop().create_future(), number)
         episode.pending[uid] = call
         self.calls[uid] = call
@@ -434,6 +438,24 @@ class EpisodeRunner:
         self.episodes.clear()
         self.calls.clear()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _rows_run_before(episode: Episode, input_ids: list[int]) -> TokenReplay | None:
+    """Routing replay: the routed experts an answered call of the episode ran for a prefix of this
+    call's input (its own input and output), so that this call asks the engine only for the
+    positions after them (``Trajectory.replay_rows``) rather than the whole conversation again.
+    A returned sample takes each position's rows from the first call that ran it
+    (``core.replay.stitch_calls``): these are those rows."""
+    for call in reversed(episode.served):
+        t = call.trajectory
+        held = t.replay
+        if held is None or held.routed is None or not t.response_ids:
+            continue
+        ran = len(t.prompt_ids) + len(t.response_ids)
+        if ran <= len(input_ids) and input_ids[:len(t.prompt_ids)] == t.prompt_ids and (
+                input_ids[len(t.prompt_ids):ran] == t.response_ids):
+            return TokenReplay(routed_width=held.routed_width, routed=bytearray(held.routed))
+    return None
 
 
 def finished_status(finish_reason: str | None) -> TrajectoryStatus:

@@ -18,7 +18,9 @@ What the front owns, and why it is built this way:
   takes its socket with it (no thread, no child process);
 * it refuses what it cannot serve faithfully (batches, streaming, multimodal inputs, embeddings, LoRA,
   hidden states) with SGLang's error shape ``{"error": {"message": ...}}`` naming the field, instead
-  of silently answering something else.
+  of silently answering something else. Routed experts (``return_routed_experts``, from
+  ``routed_experts_start_len``) are served: the call's rows over all its segments
+  (``GenerateFunctions.reply``).
 """
 
 from __future__ import annotations
@@ -204,7 +206,19 @@ class EpisodeFront:
             stop_tuple = tuple(stop)
         else:
             raise Refused(f"sampling_params.stop must be a string or a list of strings, got {stop!r}")
-        return uid, CallRequest(ids, max_new_tokens, params, text=text, stop=stop_tuple)
+        return uid, CallRequest(ids, max_new_tokens, params, text=text, stop=stop_tuple,
+                                routed_experts_from=self._routed_experts_from(body))
+
+    @staticmethod
+    def _routed_experts_from(body: dict) -> int | None:
+        """Where the reply's routed experts start, when the request asks for them (as SGLang reads
+        ``return_routed_experts`` and ``routed_experts_start_len``)."""
+        if not body.get("return_routed_experts"):
+            return None
+        start = body.get("routed_experts_start_len") or 0
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise Refused(f"routed_experts_start_len must be an integer >= 0, got {start!r}")
+        return start
 
     @staticmethod
     def _pop_marker(params: dict) -> str:

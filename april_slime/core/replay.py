@@ -29,6 +29,26 @@ response token and simply concatenate, so each keeps the distribution of the ver
 its token.
 A count that does not add up raises ``ValueError`` naming both sides; nothing is half-applied.
 
+**Episodes** (a generate function's model calls, ``stitch_calls``). Every call is a trajectory of
+its own, stitched over its segments as above. A returned sample's tokens run through its calls in
+order: each call's input is the sample's tokens before that call's output. Row ``i`` of the sample
+is the row of the first call (in the order the function made them, among the episode's calls that
+ran a prefix of the sample) that ran position ``i``: the call that sampled token ``i + 1``, or, when
+token ``i + 1`` was not generated (a tool's observation, loss-masked, or the prompt), the call that
+read it as prompt (the next call, whose prefill ran it, under the version of that call's first
+token). A call that continues an earlier call's tokens starts out holding that call's rows and asks
+the engine only for the positions after them (``routed_experts_start_len``), so a conversation's
+rows cross the wire once, not once per turn. Positions after the last call (an observation the
+function appended and no call read) were run by no call: they repeat the last row that was run. No
+trained token follows them, so with causal attention their routing cannot change any trained
+token's loss.
+The layout (row ``i`` = the forward pass at position ``i``, ``total tokens - 1`` rows) is slime's;
+its own multi-turn path (each call asked from position 0, its rows replacing the sample's) ends
+with the last call's rows everywhere, its prefill of earlier calls' tokens too, under newer weights
+than generated them. Here each generated token keeps the routing it was sampled under, and an
+observation gets the rows of the one call that ran it as prompt (for the last observation, the
+rows slime's path gives it too).
+
 **Storage.** Raw little-endian int32 bytes (rows x layers x topk x 4 for the experts): a Python
 list of ints would take about nine times the memory. ``to_dict`` hands out immutable ``bytes``
 copies, so a buffer snapshot (taken every step) costs a memory copy; the checkpoint writer turns
@@ -349,3 +369,26 @@ class TokenReplay:
                 or len(replay.topk_log_probs) != len(replay.topk_ids)):
             raise ValueError(f"replay: sampler top-k ids and log-probs are not rows of {replay.topk}")
         return replay
+
+
+def stitch_calls(width: int, rows: int, calls: list[TokenReplay | None]) -> bytearray:
+    """The ``rows`` routed-experts rows of a sample whose model calls (in order, each holding the
+    rows it ran: ``[0, input + output - 1)`` of the sample) are ``calls``: row ``i`` from the first
+    call that ran it, positions no call ran repeating the last row that was (module docstring).
+    ``ValueError`` naming the call when one holds no rows of ``width`` or more rows than the sample."""
+    out = bytearray()
+    held = 0
+    row_bytes = width * INT32
+    for n, replay in enumerate(calls):
+        if replay is None or replay.routed is None or replay.routed_width != width:
+            raise ValueError(f"model call {n} holds no routed experts of {width} int32 per position")
+        ran = replay.routed_rows
+        if ran > rows:
+            raise ValueError(f"model call {n} ran {ran} positions of a sample of {rows + 1} tokens")
+        if ran > held:
+            out += replay.routed[held * row_bytes:ran * row_bytes]
+            held = ran
+    if rows and not held:
+        raise ValueError("no model call ran any position of the sample")
+    out += bytes(out[(held - 1) * row_bytes:held * row_bytes]) * (rows - held) if rows > held else b""
+    return out

@@ -8,6 +8,12 @@ workaround in ``scripts/real-stack/sglang_cpu_site`` reaches its scheduler proce
   own rows for their old positions are recomputed under the new weights). Every position of every
   trained sample must hold the experts transformers' router picks there under the weights of the
   version that generated the next token, and slime's own conversion to train data must accept them.
+* Routing replay through an agent function (``agent_functions.text_then_ids``: three model calls
+  with a loss-masked observation between two): copris with other weights pushed before every step,
+  so calls are resumed under other weights and later turns run under other weights than earlier
+  ones. Every position must hold transformers' router choice under the version of the call that
+  ran it first: the call that sampled the next token, or for an observation (and the model token
+  it follows) the next call, whose prefill read it, under that call's first token's version.
 * top-p: SGLang 0.5.23 does not return the top-p kept ids slime's trainer replays (its top-p patch
   is not upstream), and its log-probs are those of the whole distribution, not of the nucleus.
   slime's own rollout generates a whole step and then fails in its conversion to train data (an
@@ -22,6 +28,7 @@ import pytest
 from april_slime import rollout
 from april_slime.core.config import AprilConfigError
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
+from tests.support import agent_functions as af
 from tests.support.real_tier import (
     EOS_RATE,
     LOGPROB_TOLERANCE,
@@ -178,3 +185,75 @@ def test_sglang_returns_no_top_p_kept_ids_and_the_job_stops_at_its_first_step(mo
     assert message.startswith("rollout_top_p: the rollout engines do not return what training replays")
     assert "sglang-top_p.patch" in message and "\n" not in message
     assert len(m.data_source.buffer) == 0 and m.data_source._prompts.sample_group_index == 0
+
+
+def first_call_versions(s) -> list[int]:
+    """The version each position ``i`` was run under by the first call that ran it: that of the first
+    generated (loss-mask 1) token at or after token ``i + 1`` (``april_slime.core.replay``)."""
+    prompt_len = len(s.tokens) - s.response_length
+    versions, mask = token_versions(s), list(s.loss_mask)
+    out, next_generated = [], None
+    for k in range(s.response_length - 1, -1, -1):  # the version of the first generated token from k on
+        next_generated = versions[k] if mask[k] else next_generated
+        out.append(next_generated)
+    from_token = out[::-1]
+    return [from_token[max(0, i + 1 - prompt_len)] for i in range(len(s.tokens) - 1)]
+
+
+@pytest.mark.parametrize("function", ["text_then_ids", "keeps_routed_experts"])
+def test_agent_turns_replay_the_routing_of_the_call_that_ran_each_position(moe_stack, hf_moe, tmp_path, function):
+    """``keeps_routed_experts`` also asks the front for routed experts and keeps them in its own
+    sample with slime's ``Sample.append_response_tokens``: they must be the rows the plugin trains."""
+    import torch
+
+    v0 = moe_stack.weight_version()
+    weights_of = {v0 + k: "AB"[k % 2] for k in range(12)}
+    settings = {"april_policy": "copris", "april_concurrency": 12, "april_over_sampling_factor": 2.0}
+    m = SlimeRolloutManager(plugin_args(
+        moe_stack, tmp_path, settings=settings, batch=2, n=2, max_len=af.TURNS * af.REAL_PER_TURN,
+        extra_argv=["--use-rollout-routing-replay",
+                    "--custom-generate-function-path", f"tests.support.agent_functions.{function}"], **MOE))
+    resumed_calls = spanning = turned = positions = near_ties = 0
+    af.reset()
+    af.TOOLS_ACROSS_STEPS.add(0)  # group 0's next turns run under the weights of later steps
+    try:
+        for step, version in enumerate(weights_of):
+            if version != v0:
+                model = moe_stack.other_model_path if weights_of[version] == "B" else moe_stack.model_path
+                moe_stack.push_weights(model, version)
+            samples, metrics, train = m.generate(step)  # slime's conversion checks the rows' shape too
+            af.STEPS_RUN[0] += 1
+            resumed_calls += metrics["april/episodes/resumed_calls"]
+            assert len(train["rollout_routed_experts"]) == len(samples)
+            for s, experts in zip(samples, train["rollout_routed_experts"]):
+                assert tuple(experts.shape) == (len(s.tokens) - 1, LAYERS, TOPK)
+                assert s.loss_mask.count(0) >= af.TURNS - 1, "no observation tokens"
+                if function == "keeps_routed_experts":
+                    assert torch.equal(torch.as_tensor(af.KEPT_ROWS[s.index]), torch.as_tensor(experts))
+                versions, mask = token_versions(s), s.loss_mask
+                spanning += len({v for v, keep in zip(versions, mask) if keep}) > 1
+                row_version = first_call_versions(s)
+                prompt_len = len(s.tokens) - s.response_length
+                # observations run under another version than the model token before them
+                turned += any(not mask[k] and row_version[prompt_len + k] != versions[k - 1]
+                              for k in range(1, s.response_length))
+                got = experts.sort(dim=-1).values
+                for v in set(row_version):
+                    want, gap = router_topk(hf_moe[weights_of[v]], s.tokens)
+                    for i in (i for i, rv in enumerate(row_version) if rv == v):
+                        positions += 1
+                        if not bool((got[i] == want[i]).all()):
+                            assert float(gap[i].min()) < 1e-4, (
+                                f"sample {s.index} position {i} (version {v}, weights {weights_of[v]}): "
+                                f"replayed experts {got[i].tolist()}, transformers' router {want[i].tolist()}")
+                            near_ties += 1
+            if step >= 2 and resumed_calls and spanning and turned:
+                break
+    finally:
+        rollout.shutdown()
+        af.reset()
+        moe_stack.restore_weights()
+    assert resumed_calls > 0, "no model call was aborted at a target and resumed in a later step"
+    assert spanning > 0, "no sample's model tokens span two versions; the stitch over calls was not checked"
+    assert turned > 0, "no observation was read under other weights than the turn before it ran under"
+    assert near_ties <= positions // 1000, f"{near_ties} near ties in {positions} positions"

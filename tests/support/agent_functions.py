@@ -194,11 +194,25 @@ def reset() -> None:
     CALLS.clear()
     TOOL_RUNS.clear()
     FILTERED.clear()
+    TOOLS_ACROSS_STEPS.clear()
+    STEPS_RUN[0] = 0
+    KEPT_ROWS.clear()
 
 
 # ------------------------------------------------------------------ the real tier's function
 OBSERVATION = "\n<obs>tool says ok</obs>\n"
 REAL_PER_TURN = 64
+# groups whose every tool phase outlasts a rollout step: the test counts the steps it ran in
+# STEPS_RUN, and such a tool returns once one more step has ended than when it began
+TOOLS_ACROSS_STEPS: set[int] = set()
+STEPS_RUN = [0]
+
+
+async def _tool_across_a_step(sample) -> None:
+    if sample.group_index in TOOLS_ACROSS_STEPS:
+        began = STEPS_RUN[0]
+        while STEPS_RUN[0] <= began:  # set by the test's thread once its step returned
+            await asyncio.sleep(0.05)
 
 
 async def text_then_ids(args, sample, sampling_params):
@@ -222,6 +236,7 @@ async def text_then_ids(args, sample, sampling_params):
         mask += [1] * len(ids)
         logprobs += [float(t[0]) for t in out["meta_info"]["output_token_logprobs"]]
         if turn < TURNS - 1:
+            await _tool_across_a_step(sample)
             response += observation
             mask += [0] * len(observation)
             logprobs += [0.0] * len(observation)
@@ -230,6 +245,38 @@ async def text_then_ids(args, sample, sampling_params):
     sample.response = tokenizer.decode(response)
     sample.loss_mask = mask
     sample.rollout_log_probs = logprobs
+    sample.status = type(sample).Status.COMPLETED
+    return sample
+
+
+KEPT_ROWS: dict[int, object] = {}  # sample index -> the routed experts its own slime Sample kept
+
+
+async def keeps_routed_experts(args, sample, sampling_params):
+    """``text_then_ids``'s conversation (``input_ids`` throughout) kept with slime's own
+    ``Sample.append_response_tokens``: each call asks for the routed experts after the rows the
+    sample holds (``routed_experts_start_len``) and slime's code stitches them (it reads the start
+    from ``meta_info``, where SGLang does not echo it, so the function puts it there)."""
+    from slime.utils.http_utils import post
+    from slime.utils.processing_utils import load_tokenizer
+
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    tokenizer = load_tokenizer(args.hf_checkpoint, trust_remote_code=True)
+    observation = tokenizer(OBSERVATION, add_special_tokens=False)["input_ids"]
+    sample.tokens = list(tokenizer(sample.prompt)["input_ids"])
+    for turn in range(TURNS):
+        held = 0 if sample.rollout_routed_experts is None else len(sample.rollout_routed_experts)
+        out = await post(url, {"input_ids": list(sample.tokens), "return_logprob": True,
+                               "sampling_params": {**sampling_params, "max_new_tokens": REAL_PER_TURN},
+                               "return_routed_experts": True, "routed_experts_start_len": held})
+        meta = {**out["meta_info"], "routed_experts_start_len": held}
+        sample.append_response_tokens(args, tokens=[int(t[1]) for t in meta["output_token_logprobs"]],
+                                      log_probs=[float(t[0]) for t in meta["output_token_logprobs"]],
+                                      trainable=True, meta_info=meta)
+        if turn < TURNS - 1:
+            await _tool_across_a_step(sample)
+            sample.append_response_tokens(args, tokens=observation, trainable=False)
+    KEPT_ROWS[sample.index] = sample.rollout_routed_experts.clone()
     sample.status = type(sample).Status.COMPLETED
     return sample
 
