@@ -39,6 +39,7 @@ from april_slime.core.config import AprilConfigError
 from april_slime.core.episodes import Episode, EpisodeError, EpisodeRefused, ModelCall
 from april_slime.core.replay import INT32, TokenReplay, int32_bytes, stitch_calls
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
+from april_slime.core.versions import VersionRuns
 from april_slime.samples import SampleCodec, Slime, plain, replay_spec
 
 EPISODE_MARKER = "april_episode"  # key in sampling_params["custom_params"]
@@ -137,10 +138,6 @@ class GenerateFunctions:
             finish_reason["matched"] = matched
         elif finish == "length":
             finish_reason["length"] = len(ids)
-        spans, start = [], 0
-        for version, count in t.version_runs:
-            spans.append({"version": str(version), "start": start, "end": start + count})
-            start += count
         latest = t.version_runs[-1][0] if t.version_runs else (t.call_versions[-1] if t.call_versions else 0)
         return {
             "text": self._decode(ids, params),
@@ -153,7 +150,7 @@ class GenerateFunctions:
                 "cached_tokens": 0,
                 "output_token_logprobs": [[float(lp), int(i), None] for lp, i in zip(t.logprobs, ids)],
                 "weight_version": str(latest),
-                "weight_versions": spans,
+                "weight_versions": t.version_runs.to_spans(),
                 **self._top_p_fields(t),
                 **self._routed_fields(call),
             },
@@ -208,7 +205,7 @@ class GenerateFunctions:
         versions = _match_served(member.uid, response, mask, logprobs, episode.served)
         member.response_ids, member.logprobs = response, [float(x) for x in logprobs]
         member.loss_mask = mask
-        member.version_runs = _runs(versions)
+        member.version_runs = VersionRuns.from_versions(versions)
         member.replay = self._replay(member.uid, result, mask, episode.served, episode.served)
         member.max_new_tokens = max(member.max_new_tokens, len(response))
         member.call_versions = [v for c in episode.served for v in c.trajectory.call_versions]
@@ -247,7 +244,8 @@ class GenerateFunctions:
                 versions, calls = _match_calls(where, response, mask, logprobs, served)
             used.update(calls)
             statuses.append(status)
-            entries.append({"sample": plain(self.codec.sample_dict(result)), "version_runs": _runs(versions),
+            entries.append({"sample": plain(self.codec.sample_dict(result)),
+                            "version_runs": VersionRuns.from_versions(versions).plain(),
                             "call_versions": [v for k in calls for v in served[k].trajectory.call_versions],
                             "num_calls": sum(served[k].trajectory.num_calls for k in calls),
                             "num_aborts": sum(served[k].trajectory.num_aborts for k in calls),
@@ -260,7 +258,7 @@ class GenerateFunctions:
         member.response_ids = [i for c in served for i in c.trajectory.response_ids]
         member.logprobs = [float(lp) for c in served for lp in c.trajectory.logprobs]
         member.loss_mask = None
-        member.version_runs = _runs([v for c in served for v in c.trajectory.token_versions()])
+        member.version_runs = VersionRuns().extend_runs(r for c in served for r in c.trajectory.version_runs)
         # what the member holds, for the checks of a restored checkpoint (each sample has its own)
         member.replay = _served_top_p([1] * len(member.response_ids), served) if self.top_p_replay else None
         member.max_new_tokens = max(member.max_new_tokens, len(member.response_ids))
@@ -467,13 +465,3 @@ def _release_routed(calls: list[ModelCall]) -> None:
 
 def _as_dict(replay: TokenReplay | None) -> dict | None:
     return replay.to_dict() if replay is not None else None
-
-
-def _runs(versions: list[int]) -> list[list[int]]:
-    runs: list[list[int]] = []
-    for v in versions:
-        if runs and runs[-1][0] == v:
-            runs[-1][1] += 1
-        else:
-            runs.append([v, 1])
-    return runs

@@ -21,19 +21,18 @@ is what actually generated each token, also under ``train_async.py`` where sever
 share one version. ``rollout_id`` is not used, because it is not the policy that generated a token.
 The trainer's count restarts after a job restart while the saved buffer keeps the old numbers, so
 the data source saves the last version with the buffer and the first step after a restore shifts
-the engines' numbers by a constant (``_PolicyVersionClient``) to continue the saved numbering.
+the engines' numbers by a constant (``EngineClient.version_offset``) to continue the saved numbering.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import importlib
 import logging
 import threading
 import uuid
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from april_slime.core.config import AprilConfigError
 from april_slime.core.dispatch import DeploymentHints, router_dropped_fields
@@ -46,6 +45,9 @@ from april_slime.data_source import AprilDataSource, load_config
 from april_slime.generate_functions import GenerateFunctions
 from april_slime.masking import is_masked, masked_reward
 from april_slime.samples import SampleCodec, leaves, one_shape, slime_attr
+
+if TYPE_CHECKING:
+    from april_slime.core.engine import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -93,32 +95,6 @@ def _own_loop() -> _OwnLoop:
 
 
 # ====================================================================== the per-job runtime
-class _PolicyVersionClient:
-    """The engine client, with weight versions shifted into the job's continuous numbering.
-
-    The shift is 0 except after a restore whose engines restarted counting (see module docstring).
-    Every other call goes to the wrapped client unchanged.
-    """
-
-    def __init__(self, client: Any, offset: int = 0) -> None:
-        self.client = client
-        self.offset = offset
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
-
-    async def generate(self, *args: Any, **kwargs: Any):
-        result = await self.client.generate(*args, **kwargs)
-        if self.offset:
-            result = dataclasses.replace(
-                result, weight_version=result.weight_version + self.offset,
-                version_runs=[[v + self.offset, n] for v, n in result.version_runs])
-        return result
-
-    async def weight_version(self, engine_url: str) -> int:
-        return await self.client.weight_version(engine_url) + self.offset
-
-
 class _Runtime:
     """Everything built once per process for the training rollouts of one data source."""
 
@@ -129,7 +105,7 @@ class _Runtime:
         self.slime = data_source._slime
         self.codec = data_source._codec
         self.router_url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
-        self.client: _PolicyVersionClient | None = None
+        self.client: EngineClient | None = None
         self.scheduler = None
         self.version_offset: int | None = None
         self.filter_fn = (self.slime.load_function(args.dynamic_sampling_filter_path)
@@ -192,7 +168,8 @@ class _Runtime:
         if self.client is not None:
             logger.info("rollout engines changed: %s -> %s", self.client.worker_urls, fresh.worker_urls)
             await self.client.close()
-        self.client = _PolicyVersionClient(fresh, self.version_offset or 0)
+        fresh.version_offset = self.version_offset or 0
+        self.client = fresh
         self.scheduler = self._build_scheduler()
 
     async def _check_replay_support(self, client: Any) -> None:
@@ -241,7 +218,7 @@ class _Runtime:
         others = [u for u in self.client.engine_urls if u not in usable]
         raw, errors = [], []
         for urls in (usable, others):
-            replies = await asyncio.gather(*(self.client.client.weight_version(u) for u in urls),
+            replies = await asyncio.gather(*(self.client.engine_weight_version(u) for u in urls),
                                            return_exceptions=True)
             raw = [r for r in replies if not isinstance(r, BaseException)]
             for url, r in zip(urls, replies):
@@ -263,7 +240,7 @@ class _Runtime:
             restored = self.data_source.restored_policy_version
             # after a restore, the first update the engines received is the saved policy's successor
             self.version_offset = max(0, restored + 1 - newest) if restored is not None else 0
-            self.client.offset = self.version_offset
+            self.client.version_offset = self.version_offset
             if self.version_offset:
                 logger.info("engine weight versions restarted after restore; shifting by %d to continue "
                             "the saved numbering (saved policy version %d)", self.version_offset, restored)

@@ -30,6 +30,7 @@ from april_slime.core.config import AprilConfig, AprilConfigError
 from april_slime.core.keys import MASKED_MEMBERS_KEY, POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
 from april_slime.core.replay import INT32, ReplaySpec, TokenReplay, int32_bytes
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
+from april_slime.core.versions import VersionRuns
 from april_slime.masking import masked_reward
 from april_slime.slime_compat import data_source_module
 
@@ -367,8 +368,8 @@ class SampleCodec:
         s.status, s.remove_sample = self.slime.Sample.Status.FAILED, True
         put_placeholder_replay(s, self.replay)
         version = current_version if current_version is not None else 0
-        return self._with_plugin_fields(s, group.restarts, masked_reward(self.args), [[version, 1]], [], 0, 0,
-                                        current_version)
+        return self._with_plugin_fields(s, group.restarts, masked_reward(self.args), VersionRuns.single(version, 1),
+                                        [], 0, 0, current_version)
 
     def _episode_sample(self, group: Group, t: Trajectory, current_version: int | None) -> Any:
         s = self.slime.Sample.from_dict(copy.deepcopy(t.episode_sample))
@@ -385,8 +386,8 @@ class SampleCodec:
         out = []
         for n, entry in enumerate(t.episode_samples):
             s = self.slime.Sample.from_dict(copy.deepcopy(entry["sample"]))
-            runs = entry["version_runs"]
-            versions = [v for v, c in runs for _ in range(c)]
+            runs = VersionRuns.of(entry["version_runs"])
+            versions = runs.expand()
             s.loss_mask = self._loss_mask(s.loss_mask, versions, current_version)
             reward = t.reward[n] if t.reward is not None else s.reward
             replay = entry.get("replay")
@@ -397,7 +398,7 @@ class SampleCodec:
         return out
 
     @staticmethod
-    def _with_plugin_fields(s: Any, group_restarts: int, reward: Any, version_runs: list[list[int]],
+    def _with_plugin_fields(s: Any, group_restarts: int, reward: Any, version_runs: VersionRuns,
                             call_versions: list[int], num_calls: int, num_aborts: int,
                             current_version: int | None) -> Any:
         """What the plugin adds to every sample it returns: reward, per-call versions, and the
@@ -405,8 +406,7 @@ class SampleCodec:
         # slime keeps one engine-reported string per generate call, resumptions included.
         s.weight_versions = [str(v) for v in call_versions]
         s.reward = reward
-        runs = [[int(v), int(c)] for v, c in version_runs]
-        info = {TOKEN_VERSIONS_KEY: runs, POLICY_VERSION_KEY: current_version}
+        info = {TOKEN_VERSIONS_KEY: version_runs.plain(), POLICY_VERSION_KEY: current_version}
         s.train_metadata = {**(s.train_metadata or {}), **info}
         s.metadata = {**(s.metadata or {}), **info, "april_num_calls": num_calls,
                       "april_num_aborts": num_aborts, "april_group_restarts": group_restarts}
@@ -483,16 +483,15 @@ class SampleCodec:
             t.reward = None
 
     @staticmethod
-    def _known_versions(s: Any, length: int) -> list[list[int]] | None:
+    def _known_versions(s: Any, length: int) -> VersionRuns | None:
         """Per-token versions: ours when the sample came from this module, else every token gets
         the oldest version slime recorded (overstates staleness, never understates it)."""
         runs = (s.train_metadata or {}).get(TOKEN_VERSIONS_KEY)
         if runs is not None:
-            runs = [[int(v), int(c)] for v, c in runs]
-            if sum(c for _, c in runs) == length:
-                return runs
+            with contextlib.suppress(TypeError, ValueError):
+                return VersionRuns.of(([int(v), int(c)] for v, c in runs), total=length)
         versions = SampleCodec._call_versions(s)
-        return [[min(versions), length]] if versions else None
+        return VersionRuns.single(min(versions), length) if versions else None
 
     @staticmethod
     def _call_versions(s: Any) -> list[int]:

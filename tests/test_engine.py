@@ -467,6 +467,25 @@ async def test_weight_version(server):
         await client.close()
 
 
+async def test_a_version_offset_moves_every_version_the_engines_report(server):
+    """After a restore the engines' versions are shifted into the job's numbering: the reply's
+    version, each token's (per-token spans) and the engine's current version move together, and
+    the engine's own number stays readable."""
+    reply = generate_reply(tokens=[5, 6, 7], version="2")
+    reply["meta_info"]["weight_versions"] = [{"version": "1", "start": 0, "end": 2},
+                                             {"version": "2", "start": 2, "end": 3}]
+    server.script["/generate"] = [reply]
+    server.script["/get_weight_version"] = [{"weight_version": "2"}, {"weight_version": "2"}]
+    client = EngineClient([server.url], version_offset=10, **FAST)
+    try:
+        result = await call_generate(client, server.url)
+        assert result.weight_version == 12 and result.version_runs == [[11, 2], [12, 1]]
+        assert await client.weight_version(server.url) == 12
+        assert await client.engine_weight_version(server.url) == 2
+    finally:
+        await client.close()
+
+
 async def test_loads_parsing(server, server2):
     server.script["/v1/loads"] = [{"loads": [{
         "num_running_reqs": 5, "num_waiting_reqs": 2, "num_used_tokens": 1000,

@@ -10,13 +10,8 @@ import struct
 import pytest
 
 from april_slime.core.replay import ReplaySpec, SegmentReplay, TokenReplay, int32_values, stitch_calls
-from april_slime.core.sglang_protocol import (
-    EngineReplyError,
-    ask_for_replay,
-    parse_generate_reply,
-    parse_routed_experts,
-    parse_top_p_token_ids,
-)
+from april_slime.core.replay_wire import ask_for_replay, parse_routed_experts, parse_top_p_token_ids
+from april_slime.core.sglang_protocol import EngineReplyError, parse_generate_reply
 from april_slime.core.types import Group, Trajectory
 
 SPEC = ReplaySpec(routed_layers=2, routed_topk=2, top_p=True)

@@ -174,7 +174,7 @@ def test_a_step_whose_engines_all_fail_to_report_their_version_raises_an_engine_
         raise EngineError(f"engine {url} is down")
 
     with monkeypatch.context() as m:
-        m.setattr(EngineClient, "weight_version", down)
+        m.setattr(EngineClient, "engine_weight_version", down)
         with pytest.raises(EngineError, match="is down"):
             rollout.generate_rollout(args, 1, source)
     second = rollout.generate_rollout(args, 1, source)

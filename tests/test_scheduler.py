@@ -1098,21 +1098,6 @@ async def test_emulator_engine_failure_mid_step(emulator):
 
 
 # ====================================================================== wiring from slime's rollout
-def test_policy_version_shift_covers_per_token_versions():
-    """After a restore the engines' versions are shifted into the job's numbering: the per-token
-    versions of a call must move with the call's version."""
-    from april_slime.rollout import _PolicyVersionClient
-
-    class One:
-        async def generate(self, *args, **kwargs):
-            return GenerateResult(output_ids=[5, 6, 7], logprobs=[-1.0] * 3, finish_reason="stop",
-                                  weight_version=2, prompt_tokens=4, completion_tokens=3,
-                                  engine_url="e", version_runs=[[1, 2], [2, 1]])
-
-    result = asyncio.run(_PolicyVersionClient(One(), offset=10).generate())
-    assert result.weight_version == 12 and result.version_runs == [[11, 2], [12, 1]]
-
-
 def test_vocabulary_size_from_the_tokenizer_when_no_model_config():
     from types import SimpleNamespace
 

@@ -54,7 +54,7 @@ def test_weights_changed_during_a_call_give_per_token_versions():
     assert t.token_versions() == [2, 2, 4, 4]
     assert t.version_runs == [[2, 2], [4, 2]]
     assert t.call_versions == [2, 4]
-    with pytest.raises(ValueError, match="do not cover"):
+    with pytest.raises(ValueError, match="cover 1 tokens, not 2"):
         t.append([5, 6], [-0.1, -0.1], version=4, version_runs=[[4, 1]])
     assert t.response_length == 4 and t.call_versions == [2, 4]
 

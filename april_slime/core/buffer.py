@@ -195,7 +195,7 @@ class PartialBuffer:
 
 def _check_aligned(t) -> None:
     """Tokens, log-probs and versions must describe the same positions, or IS math goes wrong."""
-    run_total = sum(count for _, count in t.version_runs)
+    run_total = t.version_runs.total
     if not (len(t.response_ids) == len(t.logprobs) == run_total):
         raise ValueError(f"trajectory {t.uid}: {len(t.response_ids)} tokens, {len(t.logprobs)} "
                          f"log-probs and {run_total} versioned positions do not match")

@@ -29,6 +29,7 @@ retraction count (only the replies' ``meta_info.num_retractions``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -44,8 +45,7 @@ from april_slime.core.sglang_protocol import (
     EngineUnavailable,
     GenerateResult,
     RequestRejected,
-    ask_for_replay,
-    check_token_ids,
+    generate_request,
     normalise_url,
     parse_generate_reply,
     parse_load,
@@ -274,6 +274,7 @@ class EngineClient:
         vocab_size: int | None = None,
         dispatch: Dispatch | None = None,
         replay: ReplaySpec = NO_REPLAY,  # what training replays (core.replay), asked of every generate
+        version_offset: int = 0,
     ) -> None:
         if dispatch is None:
             if not engine_urls:
@@ -302,6 +303,9 @@ class EngineClient:
         self.max_retries, self.retry_backoff_s, self.replay = max_retries, retry_backoff_s, replay
         # token ids sent and received must lie below it; None (unknown) checks only ids >= 0
         self.vocab_size = vocab_size
+        # added to every weight version the engines report (replies, per-token runs, /get_weight_version):
+        # a restored job whose engines restarted their count continues the saved numbering with it
+        self.version_offset = version_offset
         self.stats: dict[str, EngineStats] = {url: EngineStats() for url in self.engine_urls + self.worker_urls}
 
     @classmethod
@@ -372,7 +376,7 @@ class EngineClient:
         rid: str,
         sampling_params: dict,
         sampling_seed: int,
-        replay_rows: int = 0,  # routed experts held from earlier segments (sglang_protocol.ask_for_replay)
+        replay_rows: int = 0,  # routed experts held from earlier segments (replay_wire.ask_for_replay)
     ) -> GenerateResult:
         """One generate call. The reply is validated; an aborted reply with partial (or zero)
         tokens is a normal result with ``finish_reason == "abort"``.
@@ -387,25 +391,9 @@ class EngineClient:
         draws a fresh continuation (equally valid, from the same policy; greedy decoding repeats).
         """
         engine_url = normalise_url(engine_url)
-        if max_new_tokens < 1:
-            raise ValueError(f"rid {rid}: max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not input_ids:
-            raise RequestRejected(f"engine {engine_url} rid {rid}: no input ids to send")
-        try:
-            check_token_ids(input_ids, self.vocab_size, f"engine {engine_url} rid {rid}: input_ids")
-        except ValueError as exc:
-            raise RequestRejected(str(exc)) from None
-        payload = {
-            "input_ids": list(input_ids),
-            "sampling_params": {
-                **sampling_params,
-                "max_new_tokens": max_new_tokens,
-                "sampling_seed": sampling_seed,
-            },
-            "return_logprob": True,
-            "rid": rid,
-        }
-        ask_for_replay(payload, self.replay, replay_rows)
+        payload = generate_request(input_ids, max_new_tokens=max_new_tokens, rid=rid, sampling_params=sampling_params,
+                                   sampling_seed=sampling_seed, vocab_size=self.vocab_size, replay=self.replay,
+                                   replay_rows=replay_rows, where=f"engine {engine_url} rid {rid}")
         if self.dispatch.is_router(engine_url):
             dropped = router_dropped_fields(payload)
             if dropped:
@@ -451,6 +439,9 @@ class EngineClient:
             ),
         )
         self._stats(engine_url).retractions_in_replies += result.retractions
+        if self.version_offset:
+            result = dataclasses.replace(result, weight_version=result.weight_version + self.version_offset,
+                                         version_runs=result.version_runs.shifted(self.version_offset))
         return result
 
     async def abort(
@@ -528,11 +519,15 @@ class EngineClient:
         return list(results)
 
     async def weight_version(self, engine_url: str) -> int:
-        """The weight version ``engine_url`` serves; for the router, the newest its engines report
+        """The weight version ``engine_url`` serves, in the job's numbering (``version_offset``)."""
+        return await self.engine_weight_version(engine_url) + self.version_offset
+
+    async def engine_weight_version(self, engine_url: str) -> int:
+        """The weight version ``engine_url`` reports; for the router, the newest its engines report
         (the router answers neither path), failing only when none of them answers."""
         engine_url = normalise_url(engine_url)
         if self.dispatch.is_router(engine_url):
-            replies = await asyncio.gather(*(self.weight_version(u) for u in self.worker_urls),
+            replies = await asyncio.gather(*(self.engine_weight_version(u) for u in self.worker_urls),
                                            return_exceptions=True)
             versions = [r for r in replies if not isinstance(r, BaseException)]
             if versions:

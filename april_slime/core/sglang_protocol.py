@@ -7,11 +7,12 @@ vocabulary, another request's id, per-token version spans that do not cover the 
 ``EngineReplyError`` instead of poisoning a trajectory, and token ids about to be sent are checked
 against the vocabulary (on SGLang one out-of-vocabulary input id kills the whole engine). The
 client (``engine.py``) calls these parsers on every reply it receives; nothing here does I/O.
+The checks of single values and the errors live in ``sglang_values``, the replay data (routed
+experts, top-p ids, sampler top-k) in ``replay_wire``, per-token versions in ``versions``.
 """
 
 from __future__ import annotations
 
-import math
 from array import array
 from dataclasses import dataclass
 from itertools import repeat
@@ -20,45 +21,29 @@ from typing import Any
 import numpy as np
 
 from april_slime.core.replay import (
-    INT32,
     NO_REPLAY,
     ReplaySpec,
     SegmentReplay,
-    decode_int32,
-    decode_log_probs,
-    float32_bytes,
-    int32_bytes,
-    int32_values,
 )
+from april_slime.core.replay_wire import ask_for_replay, parse_replay
+from april_slime.core.sglang_values import (
+    LOGPROB_TOLERANCE,
+    EngineError,
+    EngineReplyError,
+    EngineUnavailable,
+    RequestRejected,
+    check_token_ids,
+    parse_weight_version,
+    require_int,
+    split_logprob_triples,
+)
+from april_slime.core.versions import VersionRuns
+
+# what the rest of the core names from here: the errors and value checks of sglang_values
+__all__ = ["LOGPROB_TOLERANCE", "EngineError", "EngineReplyError", "EngineUnavailable", "RequestRejected",
+           "check_token_ids", "parse_weight_version"]
 
 FINISH_REASONS = ("stop", "length", "abort")
-
-
-# Engines compute log-probs in float32; a log-softmax can come out a hair above 0. Anything above
-# this is not a log-probability.
-LOGPROB_TOLERANCE = 1e-4
-
-
-class EngineError(RuntimeError):
-    """An engine call failed; the message names the engine and the reason."""
-
-
-class EngineUnavailable(EngineError):
-    """Connection errors, HTTP 5xx or timeouts that outlasted every retry."""
-
-
-class EngineReplyError(EngineError):
-    """The engine answered, but the reply breaks the protocol (missing keys, counts, NaN)."""
-
-
-class RequestRejected(EngineError):
-    """The request itself is wrong: the engine answered HTTP 4xx (``status``), or the client
-    refused to send it (``status`` None; e.g. a token id outside the vocabulary). Resending the
-    same request, to this engine or another, cannot help."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -70,16 +55,16 @@ class GenerateResult:
     prompt_tokens: int | None  # None: aborted while still queued (SGLang then omits it)
     completion_tokens: int
     engine_url: str
-    # policy version of every output token, run-length encoded [[version, count], ...]; from
-    # meta_info.weight_versions when the engine sends it, else every token gets weight_version
-    version_runs: list[list[int]] | None = None
+    # policy version of every output token; from meta_info.weight_versions when the engine sends
+    # it, else every token gets weight_version
+    version_runs: VersionRuns | None = None
     retractions: int = 0  # meta_info.num_retractions: times the engine retracted this request
     # what the job replays in training (routed experts, top-p kept ids), when it asked for it
     replay: SegmentReplay | None = None
 
     def __post_init__(self) -> None:
         if self.version_runs is None:
-            self.version_runs = [[self.weight_version, len(self.output_ids)]] if self.output_ids else []
+            self.version_runs = VersionRuns.single(self.weight_version, len(self.output_ids))
 
 
 @dataclass
@@ -93,95 +78,6 @@ class EngineLoad:
     # retractions only per request, so there it is the sum of meta_info.num_retractions over the
     # replies this client received from the engine
     retractions: int
-
-
-def parse_weight_version(value: Any, where: str) -> int:
-    if value is None:
-        raise EngineReplyError(
-            f"{where}: reply carries no weight_version; the engine must be an SGLang build that "
-            "reports weight versions (meta_info.weight_version and /get_weight_version)"
-        )
-    if isinstance(value, bool):
-        raise EngineReplyError(f"{where}: weight_version {value!r} is not an integer")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        # SGLang's --weight-version defaults to the string "default" until the trainer pushes its
-        # first update; slime counts weight versions from 0, so that is version 0.
-        if value == "default":
-            return 0
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    raise EngineReplyError(f"{where}: weight_version {value!r} is not an integer")
-
-
-def _require_int(value: Any, name: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise EngineReplyError(f"{where}: {name} must be a non-negative integer, got {value!r}")
-    return value
-
-
-def _split_logprob_triples(triples: list, where: str) -> tuple[list[float], list[int]]:
-    """``[[logprob, token_id, text], ...]`` -> (log-probs, token ids), every entry checked.
-
-    Replies run to tens of thousands of tokens, so the common well-formed case is checked with
-    whole-list operations (a sum is finite only if every term is); anything unusual goes through
-    the per-position loop, which names the first bad position.
-    """
-    if all(type(t) is list and len(t) >= 2 and type(t[0]) is float and type(t[1]) is int
-           for t in triples):
-        logprobs = [t[0] for t in triples]
-        if math.isfinite(sum(logprobs)) and (not logprobs or max(logprobs) <= LOGPROB_TOLERANCE):
-            return logprobs, [t[1] for t in triples]
-    logprobs, token_ids = [], []
-    for pos, triple in enumerate(triples):
-        if not isinstance(triple, (list, tuple)) or len(triple) < 2:
-            raise EngineReplyError(
-                f"{where}: output_token_logprobs[{pos}] is not a [logprob, token_id, text] triple: "
-                f"{triple!r}"
-            )
-        logprob, token_id = triple[0], triple[1]
-        if isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
-            raise EngineReplyError(f"{where}: log-prob at position {pos} is {logprob!r}")
-        try:
-            value = float(logprob)
-        except OverflowError:  # an integer beyond any double
-            value = math.inf
-        if not math.isfinite(value):
-            raise EngineReplyError(f"{where}: log-prob at position {pos} is not finite ({logprob})")
-        if value > LOGPROB_TOLERANCE:
-            raise EngineReplyError(
-                f"{where}: log-prob at position {pos} is {logprob} > 0, not a log-probability"
-            )
-        if isinstance(token_id, bool) or not isinstance(token_id, int):
-            raise EngineReplyError(f"{where}: token id at position {pos} is {token_id!r}")
-        logprobs.append(value)
-        token_ids.append(token_id)
-    return logprobs, token_ids
-
-
-def check_token_ids(ids: list[int], vocab_size: int | None, what: str) -> None:
-    """Every id must be an int in ``[0, vocab_size)`` (any int >= 0 when the size is unknown).
-    Raises ``ValueError`` naming the first bad position."""
-    if not ids:
-        return
-    # Inputs run to tens of thousands of ids: the common case is checked in C (a count of exact
-    # types, then the bounds of an int64 array); anything else goes through the loop below.
-    if list(map(type, ids)).count(int) == len(ids):
-        try:
-            as_int64 = np.frombuffer(array("q", ids), dtype=np.int64)
-            low, high = as_int64.min(), as_int64.max()
-        except OverflowError:  # beyond int64: out of any vocabulary, but fine for an unknown one
-            low, high = min(ids), max(ids)
-        if low >= 0 and (vocab_size is None or high < vocab_size):
-            return
-    for pos, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (
-                vocab_size is not None and t >= vocab_size):
-            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-            raise ValueError(f"{what}: token id {t!r} at position {pos} is not an integer in {bound}")
 
 
 # ------------------------------------------------------------------------ a reply's output tokens
@@ -293,7 +189,7 @@ def _ids_in_vocab(ids: np.ndarray, vocab_size: int | None) -> bool:
 def _checked_one_by_one(output_ids: Any, triples: Any, vocab_size: int | None,
                         where: str) -> tuple[list[int], list[float]]:
     """The reference checks of ``output_tokens``: item by item, raising at the first bad one."""
-    logprobs, triple_ids = _split_logprob_triples(triples, where)
+    logprobs, triple_ids = split_logprob_triples(triples, where)
     if output_ids is None:
         output_ids = triple_ids
     elif not isinstance(output_ids, list) or not all(type(t) is int for t in output_ids):
@@ -315,33 +211,22 @@ def _checked_one_by_one(output_ids: Any, triples: Any, vocab_size: int | None,
     return list(output_ids), logprobs
 
 
-def _parse_version_spans(spans: Any, n: int, where: str) -> list[list[int]]:
-    """SGLang's ``meta_info.weight_versions`` -> ``[[version, count], ...]`` over ``n`` output
-    tokens. The spans must tile ``[0, n)`` in order (empty spans allowed)."""
+def _parse_version_spans(spans: Any, n: int, where: str) -> VersionRuns:
+    """SGLang's ``meta_info.weight_versions`` over ``n`` output tokens, as ``VersionRuns``."""
     if not isinstance(spans, list) or not spans:
         raise EngineReplyError(f"{where}: meta_info.weight_versions is not a non-empty list: {spans!r}")
-    runs: list[list[int]] = []
-    pos = 0
+    triples = []
     for i, span in enumerate(spans):
         if not isinstance(span, dict):
             raise EngineReplyError(f"{where}: weight_versions[{i}] is not an object: {span!r}")
         start, end = span.get("start"), span.get("end")
-        if (isinstance(start, bool) or isinstance(end, bool) or not isinstance(start, int)
-                or not isinstance(end, int) or start != pos or end < start or end > n):
-            raise EngineReplyError(
-                f"{where}: weight_versions[{i}] = {span!r} does not continue the spans at token "
-                f"{pos} within {n} output tokens"
-            )
-        version = parse_weight_version(span.get("version"), f"{where} weight_versions[{i}]")
-        if end > start:
-            if runs and runs[-1][0] == version:
-                runs[-1][1] += end - start
-            else:
-                runs.append([version, end - start])
-        pos = end
-    if pos != n:
-        raise EngineReplyError(f"{where}: weight_versions cover {pos} of {n} output tokens")
-    return runs
+        if isinstance(start, bool) or isinstance(end, bool) or not isinstance(start, int) or not isinstance(end, int):
+            raise EngineReplyError(f"{where}: weight_versions[{i}] = {span!r} has no integer start and end")
+        triples.append((parse_weight_version(span.get("version"), f"{where} weight_versions[{i}]"), start, end))
+    try:
+        return VersionRuns.from_spans(triples, n)
+    except ValueError as e:
+        raise EngineReplyError(f"{where}: weight_versions: {e}") from None
 
 
 def parse_generate_reply(
@@ -382,7 +267,7 @@ def parse_generate_reply(
     completion = meta.get("completion_tokens")
     if completion is None and finish_type == "abort" and not output_ids:
         completion = 0
-    completion_tokens = _require_int(completion, "completion_tokens", where)
+    completion_tokens = require_int(completion, "completion_tokens", where)
     if completion_tokens != len(output_ids):
         raise EngineReplyError(
             f"{where}: completion_tokens={completion_tokens} but {len(output_ids)} tokens returned"
@@ -394,7 +279,7 @@ def parse_generate_reply(
     prompt_tokens = meta.get("prompt_tokens")
     if prompt_tokens is not None or finish_type != "abort" or output_ids:
         # only a request aborted while still queued comes back without prompt_tokens
-        prompt_tokens = _require_int(prompt_tokens, "prompt_tokens", where)
+        prompt_tokens = require_int(prompt_tokens, "prompt_tokens", where)
     weight_version = parse_weight_version(meta.get("weight_version"), where)
     retractions = meta.get("num_retractions", 0)
     if isinstance(retractions, bool) or not isinstance(retractions, int) or retractions < 0:
@@ -418,150 +303,28 @@ def parse_generate_reply(
     )
 
 
-# ------------------------------------------------------------------ replay data (core.replay)
-TOP_P_ID_KEYS = ("top_p_token_ids", "top_p_kept_token_ids")  # slime reads either name
-TOP_P_OFFSET_KEYS = ("top_p_token_offsets", "top_p_kept_token_offsets")
-
-
-def ask_for_replay(payload: dict, spec: ReplaySpec, routed_start: int) -> None:
-    """Add to a ``/generate`` payload what ``spec`` replays: the routed experts of the positions
-    from ``routed_start`` on, (slime's top-p patch) the top-p kept ids of every token and their
-    log-probs, and the sampler top-k of every token (``top_logprobs_num``, as slime 0.4.0's
-    ``slime/utils/score_centering.py`` asks)."""
-    if spec.routed:
-        payload["return_routed_experts"] = True
-        if routed_start:
-            payload["routed_experts_start_len"] = routed_start
-    if spec.top_p:
-        params = payload["sampling_params"]
-        asked = {"return_top_p_token_ids": True, **({"return_top_p_log_probs": True} if spec.top_p_log_probs else {})}
-        params["custom_params"] = {**(params.get("custom_params") or {}), **asked}
-    if spec.topk:
-        payload["return_logprob"] = True
-        payload["top_logprobs_num"] = spec.topk
-
-
-def parse_replay(meta: dict, where: str, spec: ReplaySpec, *, input_len: int, output_len: int,
-                 routed_start: int, vocab_size: int | None) -> SegmentReplay | None:
-    """The replay data of a reply of ``output_len`` tokens (None without tokens: an abort before
-    the first token says nothing about any position)."""
-    if output_len == 0:
-        return None
-    seg = SegmentReplay(routed_start=routed_start, routed_width=spec.routed_width)
-    if spec.routed:
-        seg.routed = parse_routed_experts(meta, where, spec, input_len=input_len, output_len=output_len,
-                                          start=routed_start)
-    if spec.top_p:
-        seg.top_p_ids, seg.top_p_counts = parse_top_p_token_ids(meta, where, output_len=output_len,
-                                                                vocab_size=vocab_size)
-        if spec.top_p_log_probs:
-            seg.top_p_log_probs = _log_probs(meta, "top_p_log_probs", where, len(seg.top_p_ids) // INT32)
-    if spec.topk:
-        seg.topk = spec.topk
-        seg.topk_ids, seg.topk_log_probs = parse_sampler_topk(meta, where, k=spec.topk, output_len=output_len,
-                                                              vocab_size=vocab_size)
-    return seg
-
-
-def _log_probs(meta: dict, key: str, where: str, count: int) -> bytes:
+def generate_request(input_ids: list[int], *, max_new_tokens: int, rid: str, sampling_params: dict,
+                     sampling_seed: int, vocab_size: int | None, replay: ReplaySpec, replay_rows: int,
+                     where: str) -> dict:
+    """The ``/generate`` body of one call (log-probs always asked for, with what training replays);
+    ``RequestRejected`` for input ids no engine may see (on SGLang one id outside the vocabulary
+    kills the engine)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"{where}: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not input_ids:
+        raise RequestRejected(f"{where}: no input ids to send")
     try:
-        return decode_log_probs(meta.get(key), f"meta_info.{key}", count, LOGPROB_TOLERANCE)
-    except ValueError as e:
-        raise EngineReplyError(f"{where}: {e} (slime's score centering needs the sampler's log-probs)") from None
-
-
-def parse_sampler_topk(meta: dict, where: str, *, k: int, output_len: int,
-                       vocab_size: int | None) -> tuple[bytes, bytes]:
-    """The sampler's top-``k`` of every output token -> (ids int32, log-probs float32), rows in the
-    engine's order: slime's patched SGLang sends ``output_topk_token_ids`` / ``_log_probs`` (base64,
-    ``output_topk_shape`` [tokens, k]); stock SGLang ``output_top_logprobs`` (per token, ``k``
-    ``[logprob, token_id, text]`` triples)."""
-    if meta.get("output_topk_token_ids") is not None:
-        if meta.get("output_topk_shape") != [output_len, k]:
-            raise EngineReplyError(f"{where}: meta_info.output_topk_shape {meta.get('output_topk_shape')!r} is not "
-                                   f"[{output_len}, {k}]")
-        try:
-            ids_raw = decode_int32(meta["output_topk_token_ids"], "meta_info.output_topk_token_ids")
-        except ValueError as e:
-            raise EngineReplyError(f"{where}: {e}") from None
-        ids = list(int32_values(ids_raw))
-        log_probs_raw = _log_probs(meta, "output_topk_log_probs", where, output_len * k)
-    else:
-        rows = meta.get("output_top_logprobs")
-        if not isinstance(rows, list) or len(rows) != output_len or any(
-                not isinstance(row, list) or len(row) != k for row in rows):
-            raise EngineReplyError(f"{where}: meta_info.output_top_logprobs is not {output_len} rows of {k} entries "
-                                   f"(the request asked top_logprobs_num={k})")
-        log_probs, ids = _split_logprob_triples([entry for row in rows for entry in row], where)
-        log_probs_raw = float32_bytes(log_probs)
-    if len(ids) != output_len * k:
-        raise EngineReplyError(f"{where}: sampler top-{k} ids of {len(ids)} entries for {output_len} tokens")
-    for row in range(output_len):
-        chunk = ids[row * k:(row + 1) * k]
-        if len(set(chunk)) != k or min(chunk) < 0 or (vocab_size is not None and max(chunk) >= vocab_size):
-            raise EngineReplyError(f"{where}: sampler top-{k} ids of token {row} are not {k} distinct ids in the "
-                                   f"vocabulary: {chunk}")
-    return int32_bytes(ids), log_probs_raw
-
-
-def parse_routed_experts(meta: dict, where: str, spec: ReplaySpec, *, input_len: int, output_len: int,
-                         start: int) -> bytes:
-    """``meta_info.routed_experts`` -> the rows of positions ``[start, input_len + output_len - 1)``.
-
-    SGLang honours ``routed_experts_start_len`` (and sends only those rows); an engine that ignores
-    it sends every position from 0, and the rows before ``start`` are dropped here. Any other row
-    count is an error: a row short or over would shift every later token's routing."""
-    value = meta.get("routed_experts")
-    if value is None:
-        raise EngineReplyError(f"{where}: no meta_info.routed_experts (routing replay needs engines started "
-                               "with --enable-return-routed-experts)")
-    try:
-        raw = decode_int32(value, "meta_info.routed_experts")
-    except ValueError as e:
-        raise EngineReplyError(f"{where}: {e}") from None
-    width = spec.routed_width * INT32
-    end = input_len + output_len - 1
-    if len(raw) % width:
-        raise EngineReplyError(f"{where}: meta_info.routed_experts holds {len(raw) // INT32} values, not rows of "
-                               f"{spec.routed_layers} layers x top-{spec.routed_topk}")
-    rows = len(raw) // width
-    if rows == end - start:
-        return raw
-    if start and rows == end:
-        return raw[start * width:]
-    raise EngineReplyError(f"{where}: meta_info.routed_experts has {rows} rows, but {input_len} input ids + "
-                           f"{output_len} output tokens from position {start} need {end - start}")
-
-
-def parse_top_p_token_ids(meta: dict, where: str, *, output_len: int,
-                          vocab_size: int | None) -> tuple[bytes, bytes]:
-    """slime's top-p replay fields -> (kept ids, one count per output token), both int32 bytes."""
-    ids_key = next((k for k in TOP_P_ID_KEYS if meta.get(k) is not None), None)
-    offsets_key = next((k for k in TOP_P_OFFSET_KEYS if meta.get(k) is not None), None)
-    if ids_key is None or offsets_key is None:
-        raise EngineReplyError(
-            f"{where}: no meta_info.top_p_token_ids / top_p_token_offsets for {output_len} tokens sampled with "
-            "top-p < 1 (the engine must return the top-p kept token ids: SGLang with slime's "
-            "sglang-top_p.patch, as in slime's images)")
-    try:
-        ids_raw = decode_int32(meta[ids_key], f"meta_info.{ids_key}")
-        offsets = int32_values(decode_int32(meta[offsets_key], f"meta_info.{offsets_key}"))
-    except ValueError as e:
-        raise EngineReplyError(f"{where}: {e}") from None
-    n_ids = len(ids_raw) // INT32
-    if len(offsets) != output_len + 1 or offsets[0] != 0 or offsets[-1] != n_ids:
-        raise EngineReplyError(
-            f"{where}: meta_info.{offsets_key} ({len(offsets)} offsets, first "
-            f"{offsets[0] if offsets else None}, last {offsets[-1] if offsets else None}) does not split "
-            f"{n_ids} kept ids over {output_len} tokens")
-    counts = [b - a for a, b in zip(offsets, offsets[1:])]
-    if min(counts) < 0:
-        raise EngineReplyError(f"{where}: meta_info.{offsets_key} decreases at token {counts.index(min(counts))}")
-    if n_ids:
-        ids = int32_values(ids_raw)
-        if min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size):
-            raise EngineReplyError(f"{where}: meta_info.{ids_key} holds a token id outside [0, {vocab_size})")
-    return ids_raw, int32_bytes(counts)
+        check_token_ids(input_ids, vocab_size, f"{where}: input_ids")
+    except ValueError as exc:
+        raise RequestRejected(str(exc)) from None
+    payload = {
+        "input_ids": list(input_ids),
+        "sampling_params": {**sampling_params, "max_new_tokens": max_new_tokens, "sampling_seed": sampling_seed},
+        "return_logprob": True,
+        "rid": rid,
+    }
+    ask_for_replay(payload, replay, replay_rows)
+    return payload
 
 
 def normalise_url(url: str) -> str:

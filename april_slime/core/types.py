@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from april_slime.core.replay import SegmentReplay, TokenReplay
+from april_slime.core.versions import VersionRuns
 
 
 class TrajectoryStatus(str, enum.Enum):
@@ -46,8 +47,8 @@ class Trajectory:
     sampling_seed: int  # fixed for the sample's life, so a resumed call continues the same stream
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    # run-length encoded policy version of every response token: [[version, count], ...]
-    version_runs: list[list[int]] = field(default_factory=list)
+    # policy version of every response token
+    version_runs: VersionRuns = field(default_factory=VersionRuns)
     status: TrajectoryStatus = TrajectoryStatus.PENDING
     finish_reason: str | None = None
     num_calls: int = 0  # generate calls made (1 + number of resumptions)
@@ -78,6 +79,10 @@ class Trajectory:
     # response token, stitched over the calls; None when the job replays nothing
     replay: TokenReplay | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.version_runs, VersionRuns):  # plain pairs: a checkpoint's, a caller's
+            self.version_runs = VersionRuns.of(self.version_runs)
+
     @property
     def response_length(self) -> int:
         return len(self.response_ids)
@@ -96,7 +101,7 @@ class Trajectory:
         return self.replay.routed_rows if self.replay is not None else 0
 
     def append(self, output_ids: list[int], logprobs: list[float], version: int,
-               version_runs: list[list[int]] | None = None, replay: SegmentReplay | None = None) -> None:
+               version_runs: VersionRuns | None = None, replay: SegmentReplay | None = None) -> None:
         """Append one stage's output; ``logprobs`` must be aligned one-to-one with ``output_ids``.
 
         ``version`` is the call's reported policy version (recorded in ``call_versions``);
@@ -110,11 +115,12 @@ class Trajectory:
         if not math.isfinite(sum(logprobs)) and not all(math.isfinite(lp) for lp in logprobs):
             raise ValueError(f"{self.uid}: non-finite log-prob in engine output")
         if version_runs is None:
-            version_runs = [[version, len(output_ids)]] if output_ids else []
-        elif (sum(count for _, count in version_runs) != len(output_ids)
-              or any(count < 0 for _, count in version_runs)):
-            raise ValueError(f"{self.uid}: per-token versions {version_runs} do not cover the "
-                             f"{len(output_ids)} tokens of the call")
+            version_runs = VersionRuns.single(version, len(output_ids))
+        else:
+            try:
+                version_runs = VersionRuns.of(version_runs, total=len(output_ids))
+            except ValueError as e:
+                raise ValueError(f"{self.uid}: {e} (the tokens of the call)") from None
         if replay is not None and output_ids:
             held = self.replay if self.replay is not None else TokenReplay()
             try:
@@ -128,37 +134,22 @@ class Trajectory:
             return
         self.response_ids.extend(output_ids)
         self.logprobs.extend(logprobs)
-        for run_version, count in version_runs:
-            if count == 0:
-                continue
-            if self.version_runs and self.version_runs[-1][0] == run_version:
-                self.version_runs[-1][1] += count
-            else:
-                self.version_runs.append([int(run_version), int(count)])
+        self.version_runs.extend_runs(version_runs)
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` response tokens (with their log-probs and versions)."""
         if not 0 <= length <= len(self.response_ids):
             raise ValueError(f"{self.uid}: cannot cut a response of {len(self.response_ids)} tokens to {length}")
         self.response_ids, self.logprobs = self.response_ids[:length], self.logprobs[:length]
-        runs, left = [], length
-        for version, count in self.version_runs:
-            if left <= 0:
-                break
-            runs.append([version, min(count, left)])
-            left -= count
-        self.version_runs = runs
+        self.version_runs = self.version_runs.truncated(length)
         if self.replay is not None:
             self.replay.truncate(len(self.prompt_ids), length)
 
     def token_versions(self) -> list[int]:
-        out: list[int] = []
-        for version, count in self.version_runs:
-            out.extend([version] * count)
-        return out
+        return self.version_runs.expand()
 
     def oldest_version(self) -> int | None:
-        own = min((v for v, _ in self.version_runs), default=None)
+        own = self.version_runs.oldest()
         if self.episode_oldest_version is None:
             return own
         return self.episode_oldest_version if own is None else min(own, self.episode_oldest_version)
@@ -169,11 +160,11 @@ class Trajectory:
         return 0 if oldest is None else current_version - oldest
 
     def offpolicy_tokens(self, current_version: int) -> int:
-        return sum(count for version, count in self.version_runs if version != current_version)
+        return self.version_runs.count_other_than(current_version)
 
     def reset(self) -> None:
         """Forget everything generated (used when a stale group is restarted from its prompt)."""
-        self.response_ids, self.logprobs, self.version_runs, self.call_versions = [], [], [], []
+        self.response_ids, self.logprobs, self.version_runs, self.call_versions = [], [], VersionRuns(), []
         self.status, self.finish_reason = TrajectoryStatus.PENDING, None
         self.reward = None
         self.loss_mask, self.episode_sample, self.episode_oldest_version = None, None, None
@@ -190,7 +181,7 @@ class Trajectory:
             "sampling_seed": self.sampling_seed,
             "response_ids": list(self.response_ids),
             "logprobs": list(self.logprobs),
-            "version_runs": [list(r) for r in self.version_runs],
+            "version_runs": self.version_runs.plain(),
             "status": self.status.value,
             "finish_reason": self.finish_reason,
             "num_calls": self.num_calls,

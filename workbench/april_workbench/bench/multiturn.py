@@ -39,6 +39,7 @@ import numpy as np
 
 from april_slime.core.episodes import CallRequest, Episode, EpisodeError, EpisodeRunner, ModelCall
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
+from april_slime.core.versions import VersionRuns
 from april_workbench.emulator import SyntheticLM
 
 from .workloads import MAX_TURNS, LengthStats, SyntheticPrompts, Workload
@@ -225,7 +226,7 @@ class BenchAgent:
         got = tuple(t.response_length for t in calls)
         if got != plan.lengths:
             raise EpisodeError(f"episode {member.uid}: calls returned {got} tokens, planned {plan.lengths}")
-        member.response_ids, member.logprobs, member.version_runs = [], [], []
+        member.response_ids, member.logprobs, member.version_runs = [], [], VersionRuns()
         mask: list[int] = []
         for k, t in enumerate(calls):
             if k:

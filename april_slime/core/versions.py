@@ -1,0 +1,126 @@
+"""Per-token policy versions, run-length encoded: ``[[version, count], ...]``.
+
+Every generated token carries the version of the weights that sampled it. A response holds few
+distinct versions in long runs (one per segment, two where the weights changed mid-call), so the
+versions travel as runs from the engine's reply (SGLang's ``meta_info.weight_versions`` spans) through
+the trajectory, the buffer and its checkpoints, a generate function's reply, to slime's
+``Sample.train_metadata`` and the loss. ``VersionRuns`` is that encoding and every operation on it:
+adding a run (merged with the last when the version repeats), truncating, expanding to one version
+per token, shifting, and converting to and from SGLang's spans.
+
+It is a ``list`` of ``[version, count]`` pairs, so what holds it (a checkpoint's JSON, a sample's
+metadata) stores it as the plain list it always was, and a plain list of pairs reads back with
+``VersionRuns.of``. Runs never have a count of zero or less, and two adjacent runs never share a
+version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class VersionRuns(list):
+    """``[[version, count], ...]``: the policy version of each of ``total`` tokens, in order."""
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def of(cls, pairs: Iterable[Sequence[int]], total: int | None = None) -> VersionRuns:
+        """Runs from plain ``[version, count]`` pairs (merged, empty runs skipped); ``ValueError``
+        when a count is negative or, given ``total``, the counts do not add up to it."""
+        pairs, runs = list(pairs), cls()
+        for version, count in pairs:
+            if int(count) < 0:
+                raise ValueError(f"per-token versions {pairs!r}: negative count {count}")
+            runs.add(version, count)
+        if total is not None and runs.total != total:
+            raise ValueError(f"per-token versions {runs!r} cover {runs.total} tokens, not {total}")
+        return runs
+
+    @classmethod
+    def single(cls, version: int, count: int) -> VersionRuns:
+        """``count`` tokens of one version (none when ``count`` is 0)."""
+        return cls().add(version, count)
+
+    @classmethod
+    def from_versions(cls, versions: Iterable[int]) -> VersionRuns:
+        """Runs of a per-token version list."""
+        runs = cls()
+        for version in versions:
+            runs.add(version, 1)
+        return runs
+
+    @classmethod
+    def from_spans(cls, spans: Iterable[tuple[int, int, int]], total: int) -> VersionRuns:
+        """Runs of SGLang's ``weight_versions`` spans, given as ``(version, start, end)``; they must
+        tile ``[0, total)`` in order (empty spans allowed), else ``ValueError`` saying where not."""
+        runs, pos = cls(), 0
+        for i, (version, start, end) in enumerate(spans):
+            if start != pos or end < start or end > total:
+                raise ValueError(f"span {i} [{start}, {end}) does not continue the spans at token {pos} "
+                                 f"within {total} tokens")
+            runs.add(version, end - start)
+            pos = end
+        if pos != total:
+            raise ValueError(f"the spans cover {pos} of {total} tokens")
+        return runs
+
+    # ------------------------------------------------------------------ changing
+    def add(self, version: int, count: int) -> VersionRuns:
+        """Append ``count`` tokens of ``version`` (merged into the last run when it is the same)."""
+        if count > 0:
+            if self and self[-1][0] == version:
+                self[-1][1] += int(count)
+            else:
+                self.append([int(version), int(count)])
+        return self
+
+    def extend_runs(self, other: Iterable[Sequence[int]]) -> VersionRuns:
+        """Append another segment's runs."""
+        for version, count in other:
+            self.add(version, count)
+        return self
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def total(self) -> int:
+        return sum(count for _, count in self)
+
+    def truncated(self, length: int) -> VersionRuns:
+        """The runs of the first ``length`` tokens."""
+        out, left = VersionRuns(), length
+        for version, count in self:
+            if left <= 0:
+                break
+            out.add(version, min(count, left))
+            left -= count
+        return out
+
+    def shifted(self, offset: int) -> VersionRuns:
+        """Every version moved by ``offset`` (a restored job's numbering)."""
+        return VersionRuns([[version + offset, count] for version, count in self])
+
+    def expand(self) -> list[int]:
+        """One version per token."""
+        out: list[int] = []
+        for version, count in self:
+            out.extend([version] * count)
+        return out
+
+    def oldest(self) -> int | None:
+        return min((version for version, _ in self), default=None)
+
+    def count_other_than(self, version: int) -> int:
+        """Tokens of any other version than ``version``."""
+        return sum(count for v, count in self if v != version)
+
+    def to_spans(self) -> list[dict]:
+        """SGLang's ``weight_versions`` spans (``{"version": "<v>", "start", "end"}``) of the runs."""
+        spans, start = [], 0
+        for version, count in self:
+            spans.append({"version": str(version), "start": start, "end": start + count})
+            start += count
+        return spans
+
+    def plain(self) -> list[list[int]]:
+        """A copy as plain lists (what JSON and slime's metadata hold)."""
+        return [[int(version), int(count)] for version, count in self]
