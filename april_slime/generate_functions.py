@@ -13,37 +13,34 @@ loop, with
   marker in ``custom_params``, which the front reads to know whose call a request is. A function
   must pass these parameters on to ``/generate`` (changed as it likes: stop strings, budgets).
 
-``GenerateFunctions`` is the ``EpisodeAgent`` the core runs: it starts a function (``launch``),
-builds the one SGLang reply of each finished model call, whatever its segments (``reply``: the
-text decoded over every token, stop strings honoured across segment boundaries, log-probs and
-per-token weight versions of every segment), and turns the returned ``Sample`` into the member's
-record (``finish``). The function does not copy versions into its sample: each model token of the
-response is matched, in order, against the tokens the plugin served the episode; a response whose
-trainable tokens are not exactly those fails loudly (the episode is re-run, then given up). A
-function may return ``list[Sample]`` (slime's compact shape): each sample's trainable tokens are
-then whole calls' outputs in call order, and together the samples hold every call's output.
-With ``--use-rollout-routing-replay`` each returned sample's routed experts are stitched over the
-calls that ran its tokens (``_served_routed``; the rule, and why, in ``core.replay``).
+``GenerateFunctions`` is the ``EpisodeAgent`` the core runs, the slime side of it: it loads and
+starts a function (``launch``), decodes tokens with the job's tokenizer for the reply the core
+builds (``reply``: ``core.front.sglang_reply``, the wire of an episode's calls in one place), and
+turns the returned ``Sample`` into the member's record (``finish``). The function does not copy
+versions into its sample: each model token of the response is matched, in order, against the tokens
+the plugin served the episode (``core.served``); a response whose trainable tokens are not exactly
+those fails loudly (the episode is re-run, then given up). A function may return ``list[Sample]``
+(slime's compact shape): each sample's trainable tokens are then whole calls' outputs in call order,
+and together the samples hold every call's output. With ``--use-rollout-routing-replay`` each
+returned sample's routed experts are stitched over the calls that ran its tokens
+(``core.served.served_routed``; the rule, and why, in ``core.replay``).
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import copy
 import inspect
-import math
 from typing import Any
 
 from april_slime.core.config import AprilConfigError
 from april_slime.core.episodes import Episode, EpisodeError, EpisodeRefused, ModelCall
-from april_slime.core.replay import INT32, TokenReplay, int32_bytes, stitch_calls
+from april_slime.core.front import EPISODE_MARKER, sglang_reply
+from april_slime.core.replay import TokenReplay
+from april_slime.core.served import match_calls, match_served, release_routed, served_routed, served_top_p
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.core.versions import VersionRuns
 from april_slime.samples import SampleCodec, Slime, plain, replay_spec
-
-EPISODE_MARKER = "april_episode"  # key in sampling_params["custom_params"]
-LOGPROB_MATCH_TOLERANCE = 1e-6
 
 
 def load_generate_function(slime: Slime, path: str, key: str) -> Any:
@@ -121,88 +118,14 @@ class GenerateFunctions:
         return fn(self.function_args, sample, params)
 
     def reply(self, call: ModelCall) -> dict:
-        t = call.trajectory
-        params = call.request.sampling_params
-        ids, finish, matched = list(t.response_ids), t.finish_reason, None
-        if call.request.stop and t.num_calls > 1:
-            cut = self._first_stop(ids, call.request.stop, params)
-            if cut is not None:
-                cut_at, matched = cut
-                if cut_at < len(ids):
-                    t.truncate(cut_at)
-                    ids = list(t.response_ids)
-                finish = "stop"
-                t.finish_reason, t.status = "stop", TrajectoryStatus.COMPLETED
-        finish_reason: dict[str, Any] = {"type": finish}
-        if matched is not None:
-            finish_reason["matched"] = matched
-        elif finish == "length":
-            finish_reason["length"] = len(ids)
-        latest = t.version_runs[-1][0] if t.version_runs else (t.call_versions[-1] if t.call_versions else 0)
-        return {
-            "text": self._decode(ids, params),
-            "output_ids": ids,
-            "meta_info": {
-                "id": t.uid,
-                "finish_reason": finish_reason,
-                "prompt_tokens": len(t.prompt_ids),
-                "completion_tokens": len(ids),
-                "cached_tokens": 0,
-                "output_token_logprobs": [[float(lp), int(i), None] for lp, i in zip(t.logprobs, ids)],
-                "weight_version": str(latest),
-                "weight_versions": t.version_runs.to_spans(),
-                **self._top_p_fields(t),
-                **self._routed_fields(call),
-            },
-        }
-
-    def _routed_fields(self, call: ModelCall) -> dict:
-        """The call's routed experts over every segment from the position the request named, as
-        SGLang sends them (``return_routed_experts``); the trained sample's are the plugin's own
-        (``_served_routed``), whatever the function keeps."""
-        start = call.request.routed_experts_from
-        if start is None:
-            return {}
-        t = call.trajectory
-        if not self.routed_width or t.replay is None or t.replay.routed is None:
-            raise EpisodeError("return_routed_experts: this job's engines return no routed experts "
-                               "(slime's --use-rollout-routing-replay is off)")
-        rows = t.replay.routed_rows
-        if start > rows:
-            raise EpisodeError(f"routed_experts_start_len {start} is past the {rows} positions the call ran")
-        raw = bytes(t.replay.routed[start * self.routed_width * INT32:])
-        return {"routed_experts": base64.b64encode(raw).decode("ascii")}
-
-    def _top_p_fields(self, t: Trajectory) -> dict:
-        """The call's top-p kept ids over every segment, as slime's SGLang patch sends them."""
-        if not self.top_p_replay or t.replay is None or t.replay.top_p_counts is None:
-            return {}
-        return {"top_p_token_ids": base64.b64encode(bytes(t.replay.top_p_ids)).decode("ascii"),
-                "top_p_token_offsets": base64.b64encode(int32_bytes(t.replay.top_p_offsets())).decode("ascii")}
-
-    def _first_stop(self, ids: list[int], stops: tuple[str, ...], params: dict) -> tuple[int, str] | None:
-        """The shortest prefix of ``ids`` whose text holds a stop string (SGLang stops there when the
-        call runs in one piece; a segment boundary can hide it from the engine)."""
-        text = self._decode(ids, params)
-        found = [(text.find(s), s) for s in stops if s and s in text]
-        if not found:
-            return None
-        stop = min(found)[1]
-        lo, hi = 1, len(ids)
-        while lo < hi:  # prefix texts grow with the prefix, so "holds the stop" is monotone
-            mid = (lo + hi) // 2
-            if stop in self._decode(ids[:mid], params):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo, stop
+        return sglang_reply(call, self._decode, routed_width=self.routed_width, top_p=self.top_p_replay)
 
     def finish(self, member: Trajectory, episode: Episode, result: Any) -> None:
         if isinstance(result, list):
             self._finish_fanout(member, episode, result)
             return
         status, response, mask, logprobs = self._checked(member.uid, result)
-        versions = _match_served(member.uid, response, mask, logprobs, episode.served)
+        versions = match_served(member.uid, response, mask, logprobs, episode.served)
         member.response_ids, member.logprobs = response, [float(x) for x in logprobs]
         member.loss_mask = mask
         member.version_runs = VersionRuns.from_versions(versions)
@@ -215,7 +138,7 @@ class GenerateFunctions:
         member.finish_reason = "length" if status == "TRUNCATED" else "stop"
         member.reward = result.reward
         member.episode_sample = plain(self.codec.sample_dict(result))
-        _release_routed(episode.served)
+        release_routed(episode.served)
 
     def _finish_fanout(self, member: Trajectory, episode: Episode, results: list) -> None:
         """slime's compact shape: one episode, several training samples (e.g. one per turn, each
@@ -239,9 +162,9 @@ class GenerateFunctions:
             try:
                 # calls no earlier sample holds first: concurrent calls (one per agent) can return
                 # the same tokens, and each must reach its own sample
-                versions, calls = _match_calls(where, response, mask, logprobs, served, skip=used)
+                versions, calls = match_calls(where, response, mask, logprobs, served, skip=used)
             except EpisodeError:
-                versions, calls = _match_calls(where, response, mask, logprobs, served)
+                versions, calls = match_calls(where, response, mask, logprobs, served)
             used.update(calls)
             statuses.append(status)
             entries.append({"sample": plain(self.codec.sample_dict(result)),
@@ -260,7 +183,7 @@ class GenerateFunctions:
         member.loss_mask = None
         member.version_runs = VersionRuns().extend_runs(r for c in served for r in c.trajectory.version_runs)
         # what the member holds, for the checks of a restored checkpoint (each sample has its own)
-        member.replay = _served_top_p([1] * len(member.response_ids), served) if self.top_p_replay else None
+        member.replay = served_top_p([1] * len(member.response_ids), served) if self.top_p_replay else None
         member.max_new_tokens = max(member.max_new_tokens, len(member.response_ids))
         member.call_versions = [v for c in served for v in c.trajectory.call_versions]
         member.num_calls = sum(c.trajectory.num_calls for c in served)
@@ -271,17 +194,17 @@ class GenerateFunctions:
         rewards = [r.reward for r in results]
         member.reward = None if any(r is None for r in rewards) else plain(rewards)
         member.episode_samples = entries
-        _release_routed(served)
+        release_routed(served)
 
     def _replay(self, where: str, result: Any, mask: list[int], calls: list[ModelCall],
                 served: list[ModelCall]) -> TokenReplay | None:
         """What training replays of one returned sample, from the calls whose tokens it holds (in
         order) and the episode's other ``served`` calls that ran a prefix of it."""
-        replay = _served_top_p(mask, calls) if self.top_p_replay else None
+        replay = served_top_p(mask, calls) if self.top_p_replay else None
         if self.routed_width:
             replay = replay if replay is not None else TokenReplay()
             replay.routed_width = self.routed_width
-            replay.routed = _served_routed(where, list(result.tokens), mask, calls, served, self.routed_width)
+            replay.routed = served_routed(where, list(result.tokens), mask, calls, served, self.routed_width)
         return replay
 
     def _checked(self, where: str, result: Any) -> tuple[str, list[int], list[int], list[float]]:
@@ -328,139 +251,6 @@ NO_ROLLOUT_LOG_PROBS = (
     "Sample.append_response_tokens does), since every trained token's log-prob and policy version are "
     "those of the call that served it (a function that trains re-tokenized text, as slime's tau-bench "
     "does, cannot run under partial rollout)")
-
-
-def _match_served(uid: str, response: list[int], mask: list[int], logprobs: list[float],
-                  served: list[ModelCall]) -> list[int]:
-    """The policy version of every response token: trainable tokens, in order, must be exactly the
-    tokens the plugin served the episode (their log-probs too); others take the version before them."""
-    served_ids = [i for c in served for i in c.trajectory.response_ids]
-    served_lps = [lp for c in served for lp in c.trajectory.logprobs]
-    served_versions = [v for c in served for v in c.trajectory.token_versions()]
-    trainable = [k for k, m in enumerate(mask) if m]
-    if [response[k] for k in trainable] != served_ids:
-        at = next((n for n, (k, s) in enumerate(zip(trainable, served_ids)) if response[k] != s),
-                  min(len(trainable), len(served_ids)))
-        raise EpisodeError(f"sample {uid}: its trainable tokens ({len(trainable)}) are not the {len(served_ids)} "
-                           f"tokens its model calls returned (first difference at trainable token {at}); a "
-                           "generate function must keep each call's output_ids as they are")
-    for n, k in enumerate(trainable):
-        if not math.isclose(logprobs[k], served_lps[n], abs_tol=LOGPROB_MATCH_TOLERANCE):
-            raise EpisodeError(f"sample {uid}: rollout log-prob {logprobs[k]} of response token {k} is not "
-                               f"the {served_lps[n]} its model call returned")
-    return _spread(mask, served_versions)
-
-
-def _match_calls(uid: str, response: list[int], mask: list[int], logprobs: list[float],
-                 served: list[ModelCall], skip: set[int] = frozenset()) -> tuple[list[int], list[int]]:
-    """One sample of a fan-out: its trainable tokens, in order, must be the whole outputs (tokens and
-    log-probs) of some of the served calls (those not in ``skip``), in call order. Returns the
-    version of every response token and the indices of the calls it holds."""
-    trainable = [k for k, m in enumerate(mask) if m]
-    at, calls, versions = 0, [], []
-    for k, call in enumerate(served):
-        t = call.trajectory
-        n = len(t.response_ids)
-        if k in skip or n == 0 or at + n > len(trainable):
-            continue
-        here = trainable[at:at + n]
-        if ([response[j] for j in here] == list(t.response_ids)
-                and all(math.isclose(logprobs[j], lp, abs_tol=LOGPROB_MATCH_TOLERANCE)
-                        for j, lp in zip(here, t.logprobs))):
-            calls.append(k)
-            versions += t.token_versions()
-            at += n
-    if at != len(trainable):
-        raise EpisodeError(f"sample {uid}: its trainable tokens from token {at} of {len(trainable)} on are not "
-                           f"the whole output of any further model call of its episode ({len(served)} calls); a "
-                           "generate function must keep each call's output_ids and log-probs as they are")
-    return _spread(mask, versions), calls
-
-
-def _spread(mask: list[int], trainable_versions: list[int]) -> list[int]:
-    """The version of every response token: trainable tokens in order take ``trainable_versions``;
-    others (tool output) the version before them."""
-    out, last = [], trainable_versions[0] if trainable_versions else 0
-    by_token = iter(trainable_versions)
-    for m in mask:
-        if m:
-            last = next(by_token)
-        out.append(last)
-    return out
-
-
-def _served_top_p(mask: list[int], served: list[ModelCall]) -> TokenReplay:
-    """The top-p kept ids of an episode's response: each trainable token's from the call that served
-    it (``_match_served`` checked they are those tokens, in order), none for the others (tool
-    output; slime pads them the same way)."""
-    ids, counts = bytearray(), []
-    calls = iter(served)
-    call: ModelCall | None = None
-    pos = offsets = None
-    for m in mask:
-        if not m:
-            counts.append(0)
-            continue
-        while call is None or pos >= len(offsets) - 1:
-            call, pos = next(calls), 0
-            replay = call.trajectory.replay
-            if replay is None or replay.top_p_tokens != call.trajectory.response_length:
-                raise EpisodeError(f"model call {call.trajectory.uid} holds no top-p kept ids for its tokens")
-            offsets, kept = replay.top_p_offsets(), replay.top_p_ids
-        ids += kept[offsets[pos] * INT32:offsets[pos + 1] * INT32]
-        counts.append(offsets[pos + 1] - offsets[pos])
-        pos += 1
-    return TokenReplay(top_p_ids=ids, top_p_counts=bytearray(int32_bytes(counts)))
-
-
-ROUTED_NOT_A_PREFIX = (
-    "sample {where}: with use_rollout_routing_replay each model call's input_ids must be the returned "
-    "sample's tokens before that call's output_ids (model call {n} of {calls}: {what}); the routed experts "
-    "the engine ran are those of the call's own input, so a function whose calls do not continue its "
-    "sample's tokens (concurrent calls, a prompt re-tokenized differently) cannot be replayed")
-
-
-def _served_routed(where: str, tokens: list[int], mask: list[int], calls: list[ModelCall],
-                   served: list[ModelCall], width: int) -> bytearray:
-    """The routed experts of a returned sample's ``len(tokens) - 1`` positions, stitched over the
-    episode's calls that ran a prefix of it, in the order they were made (``core.replay.stitch_calls``:
-    each position's from the first call that ran it, a tool's observation's from the call that read
-    it as prompt; one sample of a fan-out gets the rows its conversation got in the calls before
-    its own). Each of ``calls`` (those whose tokens it holds) must have run a prefix of the sample:
-    ``EpisodeRefused`` otherwise (the function's code, not this episode's luck)."""
-    if not mask:
-        return bytearray()
-    own = [c for c in calls if c.trajectory.response_ids]
-    for n, call in enumerate(own):
-        t = call.trajectory
-        start, end = len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)
-        what = None
-        if tokens[:start] != t.prompt_ids:
-            what = f"its {start} input ids are not the sample's first {start} tokens"
-        elif tokens[start:end] != t.response_ids:
-            what = f"its {end - start} output ids are not the sample's tokens {start} to {end}"
-        if what is not None:
-            raise EpisodeRefused(ROUTED_NOT_A_PREFIX.format(where=where, n=n, calls=len(own), what=what))
-    mine = {id(c) for c in own}
-    ran = [c for c in served if id(c) in mine or (c.trajectory.response_ids and _ran_a_prefix(c.trajectory, tokens))]
-    try:
-        return stitch_calls(width, len(tokens) - 1, [c.trajectory.replay for c in ran])
-    except ValueError as e:
-        raise EpisodeError(f"sample {where}: {e}") from None
-
-
-def _ran_a_prefix(t: Trajectory, tokens: list[int]) -> bool:
-    start, end = len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)
-    return end <= len(tokens) and tokens[:start] == t.prompt_ids and tokens[start:end] == t.response_ids
-
-
-def _release_routed(calls: list[ModelCall]) -> None:
-    """A finished episode's samples hold their stitched rows; its calls' own (each a whole prefix of
-    the conversation) are not needed again, though the calls stay with the episode until its group
-    is trained."""
-    for call in calls:
-        if call.trajectory.replay is not None:
-            call.trajectory.replay.routed = None
 
 
 def _as_dict(replay: TokenReplay | None) -> dict | None:

@@ -266,7 +266,7 @@ MUTATIONS: list[Mutation] = [
         name="episode-tokens-take-first-version",
         what="an episode's returned sample gives every model token the version of its first served token",
         edits=(Edit(
-            "april_slime/generate_functions.py",
+            "april_slime/core/served.py",
             "            last = next(by_token)\n",
             "            last = trainable_versions[0]\n",
         ),),

@@ -22,8 +22,8 @@ import pytest
 from april_slime import rollout
 from april_slime.core.episodes import EpisodeError
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
+from april_slime.core.served import match_calls
 from april_slime.core.types import Trajectory
-from april_slime.generate_functions import _match_calls
 from tests.support import agent_functions as af
 from tests.support.agent_functions import check_sample, expand
 from tests.support.slime_jobs import make_args, point_at
@@ -78,7 +78,7 @@ def served(*outputs: list[int]):
 def test_a_sibling_is_matched_to_the_whole_calls_it_holds():
     calls = served([5, 6], [7], [8, 9])
     # the second and third calls, with a tool token between them
-    versions, used = _match_calls("s", [7, 90, 8, 9], [1, 0, 1, 1], [-0.2, 0.0, -0.3, -0.3], calls)
+    versions, used = match_calls("s", [7, 90, 8, 9], [1, 0, 1, 1], [-0.2, 0.0, -0.3, -0.3], calls)
     assert used == [1, 2] and versions == [11, 11, 12, 12]
 
 
@@ -89,7 +89,7 @@ def test_a_sibling_is_matched_to_the_whole_calls_it_holds():
 ])
 def test_a_sibling_that_is_not_whole_calls_in_order_fails_loudly(response, mask, logprobs):
     with pytest.raises(EpisodeError, match="not the whole output of any further model call"):
-        _match_calls("s", response, mask, logprobs, served([5, 6], [7]))
+        match_calls("s", response, mask, logprobs, served([5, 6], [7]))
 
 
 # ------------------------------------------------------------------ jobs

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from april_slime.core.episodes import CallRequest, Episode, EpisodeError, ModelCall
+from april_slime.core.served import match_served
 from april_slime.core.types import Trajectory, TrajectoryStatus
-from april_slime.generate_functions import GenerateFunctions, _match_served
+from april_slime.generate_functions import GenerateFunctions
 
 
 class CharTokenizer:
@@ -88,7 +89,7 @@ def served(*outputs: list[int]) -> list[ModelCall]:
 def test_the_returned_tokens_get_the_versions_of_the_calls_that_made_them():
     response = [5, 6, 90, 91, 7]  # call 0, a tool's two tokens, call 1
     mask = [1, 1, 0, 0, 1]
-    versions = _match_served("s", response, mask, [-0.1, -0.1, 0.0, 0.0, -0.2], served([5, 6], [7]))
+    versions = match_served("s", response, mask, [-0.1, -0.1, 0.0, 0.0, -0.2], served([5, 6], [7]))
     assert versions == [10, 10, 10, 10, 11]
 
 
@@ -99,4 +100,4 @@ def test_the_returned_tokens_get_the_versions_of_the_calls_that_made_them():
 ])
 def test_a_sample_that_does_not_match_its_calls_fails_loudly(response, mask, logprobs, what):
     with pytest.raises(EpisodeError, match=what):
-        _match_served("s", response, mask, logprobs, served([5, 6], [7]))
+        match_served("s", response, mask, logprobs, served([5, 6], [7]))

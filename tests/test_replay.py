@@ -171,19 +171,19 @@ def test_a_sample_whose_calls_do_not_continue_its_tokens_is_refused():
     from types import SimpleNamespace
 
     from april_slime.core.episodes import EpisodeRefused
-    from april_slime.generate_functions import _served_routed
+    from april_slime.core.served import served_routed
 
     tokens, trajectories = episode_calls()
     calls = [SimpleNamespace(trajectory=t) for t in trajectories]
     mask = [1] * 5 + [0] * 3 + [1] * 4
-    assert _served_routed("s", tokens, mask, calls, calls, WIDTH) == stitch_calls(
+    assert served_routed("s", tokens, mask, calls, calls, WIDTH) == stitch_calls(
         WIDTH, len(tokens) - 1, [t.replay for t in trajectories])
     retokenized = tokens[:11] + [70] + tokens[12:]  # the tool's text tokenized otherwise
     with pytest.raises(EpisodeRefused, match="model call 1 of 2: its 13 input ids are not the sample's first 13"):
-        _served_routed("s", retokenized, mask, calls, calls, WIDTH)
+        served_routed("s", retokenized, mask, calls, calls, WIDTH)
     shifted = tokens[:13] + [9] + tokens[13:]
     with pytest.raises(EpisodeRefused, match="call 1 of 2: its 4 output ids are not the sample's tokens 13 to 17"):
-        _served_routed("s", shifted, mask + [0], calls, calls, WIDTH)
+        served_routed("s", shifted, mask + [0], calls, calls, WIDTH)
 
 
 def test_a_row_short_or_over_fails_loudly_and_appends_nothing():

@@ -137,8 +137,8 @@ class EpisodeAgent(Protocol):
         """Fill ``member`` from the function's result; raises ``EpisodeError`` when it cannot."""
 
     def reply(self, call: ModelCall) -> dict:
-        """The SGLang reply of a finished call (may cut its tokens at a stop string that spans
-        segments)."""
+        """The SGLang reply of a finished call (``core.front.sglang_reply``, with the decoding of the
+        job's tokenizer; it may cut the call's tokens at a stop string that spans segments)."""
 
     # optional: ``function_name(member, group) -> str``, what runs ``member``'s episode (for errors)
 
@@ -351,14 +351,16 @@ class EpisodeRunner:
         episode.tool_deadline = None
         if self.episodes.get(episode.member.uid) is episode and episode.live and not episode.pending:
             self.counters.timeouts += 1
-            self._failed(episode, f"its tool phase ran past april_episode_tool_timeout_s={self.tool_timeout_s:g}")
+            self._failed(episode, f"its tool phase ran past april_episode_tool_timeout_s={self.tool_timeout_s:g}",
+                         timed_out=True)
 
-    def _failed(self, episode: Episode, why: str) -> None:
-        """Re-run the episode alone from its prompt, or give it up past ``max_failures``."""
+    def _failed(self, episode: Episode, why: str, timed_out: bool = False) -> None:
+        """Re-run the episode alone from its prompt, or give it up past ``max_failures``. A tool
+        phase that timed out is counted in ``timeouts``, any other fault in ``failures``."""
         member = episode.member
         if self.episodes.get(member.uid) is not episode:
             return
-        if "raised" in why or "cannot be used" in why:
+        if not timed_out:
             self.counters.failures += 1
         logger.warning("episode %s (attempt %d): %s", member.uid, episode.attempt + 1, why)
         self._stop(episode)

@@ -5,8 +5,9 @@ at ``http://{args.sglang_router_ip}:{args.sglang_router_port}/generate``. Under 
 points here: the front parses each call as SGLang would, finds the episode by the marker the plugin put
 in the function's ``sampling_params`` (``custom_params.april_episode``), and hands the call to
 ``EpisodeRunner.call``. The scheduler runs it like any trajectory (it may abort it at a step's end and
-resume it in a later step) and the front replies once the call is finished, so the function sees one
-ordinary SGLang reply per call.
+resume it in a later step) and, once the call is finished, the function gets one ordinary SGLang reply
+per call, built here (``sglang_reply``) from every segment: parsing a call and building its reply,
+the whole wire of an episode's calls, live in this module.
 
 What the front owns, and why it is built this way:
 
@@ -20,12 +21,13 @@ What the front owns, and why it is built this way:
   hidden states) with SGLang's error shape ``{"error": {"message": ...}}`` naming the field, instead
   of silently answering something else. Routed experts (``return_routed_experts``, from
   ``routed_experts_start_len``) are served: the call's rows over all its segments
-  (``GenerateFunctions.reply``).
+  (``sglang_reply``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import socket
@@ -34,8 +36,10 @@ from typing import Any
 
 from aiohttp import web
 
-from april_slime.core.episodes import CallRequest, EpisodeError
+from april_slime.core.episodes import CallRequest, EpisodeError, ModelCall
+from april_slime.core.replay import INT32, int32_bytes
 from april_slime.core.sglang_protocol import check_token_ids
+from april_slime.core.types import Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
 
@@ -236,3 +240,93 @@ class EpisodeFront:
         else:
             del params["custom_params"]
         return uid
+
+
+# ---------------------------------------------------------------------------- the reply of a call
+Decode = Callable[[list[int], dict], str]  # token ids -> text, as SGLang decodes under these sampling params
+
+
+def sglang_reply(call: ModelCall, decode: Decode, *, routed_width: int, top_p: bool) -> dict:
+    """SGLang's reply to a finished call, whatever its segments: the text decoded over every token
+    (a stop string that a segment boundary hid from the engine is honoured here: the call is cut
+    where one uninterrupted call would have stopped), log-probs and per-token weight versions of
+    every segment, and what training replays when the function asked for it (``routed_width``: int32
+    per routed-experts row, 0 when the job replays none; ``top_p``: the job replays top-p kept ids)."""
+    t = call.trajectory
+    params = call.request.sampling_params
+    ids, finish, matched = list(t.response_ids), t.finish_reason, None
+    if call.request.stop and t.num_calls > 1:
+        cut = _first_stop(ids, call.request.stop, params, decode)
+        if cut is not None:
+            cut_at, matched = cut
+            if cut_at < len(ids):
+                t.truncate(cut_at)
+                ids = list(t.response_ids)
+            finish = "stop"
+            t.finish_reason, t.status = "stop", TrajectoryStatus.COMPLETED
+    finish_reason: dict[str, Any] = {"type": finish}
+    if matched is not None:
+        finish_reason["matched"] = matched
+    elif finish == "length":
+        finish_reason["length"] = len(ids)
+    latest = t.version_runs[-1][0] if t.version_runs else (t.call_versions[-1] if t.call_versions else 0)
+    return {
+        "text": decode(ids, params),
+        "output_ids": ids,
+        "meta_info": {
+            "id": t.uid,
+            "finish_reason": finish_reason,
+            "prompt_tokens": len(t.prompt_ids),
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "output_token_logprobs": [[float(lp), int(i), None] for lp, i in zip(t.logprobs, ids)],
+            "weight_version": str(latest),
+            "weight_versions": t.version_runs.to_spans(),
+            **(_top_p_fields(t) if top_p else {}),
+            **_routed_fields(call, routed_width),
+        },
+    }
+
+
+def _routed_fields(call: ModelCall, routed_width: int) -> dict:
+    """The call's routed experts over every segment from the position the request named, as
+    SGLang sends them (``return_routed_experts``); the trained sample's are the plugin's own
+    (``core.served.served_routed``), whatever the function keeps."""
+    start = call.request.routed_experts_from
+    if start is None:
+        return {}
+    t = call.trajectory
+    if not routed_width or t.replay is None or t.replay.routed is None:
+        raise EpisodeError("return_routed_experts: this job's engines return no routed experts "
+                           "(slime's --use-rollout-routing-replay is off)")
+    rows = t.replay.routed_rows
+    if start > rows:
+        raise EpisodeError(f"routed_experts_start_len {start} is past the {rows} positions the call ran")
+    raw = bytes(t.replay.routed[start * routed_width * INT32:])
+    return {"routed_experts": base64.b64encode(raw).decode("ascii")}
+
+
+def _top_p_fields(t: Trajectory) -> dict:
+    """The call's top-p kept ids over every segment, as slime's SGLang patch sends them."""
+    if t.replay is None or t.replay.top_p_counts is None:
+        return {}
+    return {"top_p_token_ids": base64.b64encode(bytes(t.replay.top_p_ids)).decode("ascii"),
+            "top_p_token_offsets": base64.b64encode(int32_bytes(t.replay.top_p_offsets())).decode("ascii")}
+
+
+def _first_stop(ids: list[int], stops: tuple[str, ...], params: dict, decode: Decode) -> tuple[int, str] | None:
+    """The shortest prefix of ``ids`` whose text holds a stop string (SGLang stops there when the
+    call runs in one piece; a segment boundary can hide it from the engine)."""
+    text = decode(ids, params)
+    found = [(text.find(s), s) for s in stops if s and s in text]
+    if not found:
+        return None
+    stop = min(found)[1]
+    lo, hi = 1, len(ids)
+    while lo < hi:  # prefix texts grow with the prefix, so "holds the stop" is monotone
+        mid = (lo + hi) // 2
+        if stop in decode(ids[:mid], params):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, stop
