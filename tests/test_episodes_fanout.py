@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -23,9 +22,8 @@ from april_slime import rollout
 from april_slime.core.episodes import EpisodeError
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
 from april_slime.core.served import match_calls
-from april_slime.core.types import Trajectory
 from tests.support import agent_functions as af
-from tests.support.agent_functions import check_sample, expand
+from tests.support.agent_functions import check_sample, expand, served_calls
 from tests.support.slime_jobs import make_args, point_at
 
 FUNCTION = "tests.support.agent_functions.fan_out"
@@ -33,11 +31,7 @@ FUNCTION = "tests.support.agent_functions.fan_out"
 
 @pytest.fixture
 def prompts(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(f'{{"prompt": "question {i:02d} {"x" * (i % 5)}", "label": "{i}"}}\n'
-                            for i in range(200)))
-    af.reset()
-    yield path
+    yield af.prompts_file(tmp_path)
     af.reset()
 
 
@@ -65,18 +59,8 @@ def check_turn_sample(s, version_floor: int) -> None:
 
 
 # ------------------------------------------------------------------ matching a sibling to its calls
-def served(*outputs: list[int]):
-    calls = []
-    for k, ids in enumerate(outputs):
-        t = Trajectory(uid=f"c{k}", group_uid="0", index_in_group=0, prompt_ids=[1], max_new_tokens=50,
-                       sampling_seed=1)
-        t.append(ids, [-0.1 * (k + 1)] * len(ids), 10 + k)
-        calls.append(SimpleNamespace(trajectory=t))
-    return calls
-
-
 def test_a_sibling_is_matched_to_the_whole_calls_it_holds():
-    calls = served([5, 6], [7], [8, 9])
+    calls = served_calls([5, 6], [7], [8, 9])
     # the second and third calls, with a tool token between them
     versions, used = match_calls("s", [7, 90, 8, 9], [1, 0, 1, 1], [-0.2, 0.0, -0.3, -0.3], calls)
     assert used == [1, 2] and versions == [11, 11, 12, 12]
@@ -89,7 +73,7 @@ def test_a_sibling_is_matched_to_the_whole_calls_it_holds():
 ])
 def test_a_sibling_that_is_not_whole_calls_in_order_fails_loudly(response, mask, logprobs):
     with pytest.raises(EpisodeError, match="not the whole output of any further model call"):
-        match_calls("s", response, mask, logprobs, served([5, 6], [7]))
+        match_calls("s", response, mask, logprobs, served_calls([5, 6], [7]))
 
 
 # ------------------------------------------------------------------ jobs

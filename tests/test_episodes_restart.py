@@ -39,11 +39,7 @@ FINISHED = (TrajectoryStatus.COMPLETED.value, TrajectoryStatus.TRUNCATED.value)
 
 @pytest.fixture
 def prompts(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(f'{{"prompt": "question {i:02d} {"x" * (i % 5)}", "label": "{i}"}}\n'
-                            for i in range(200)))
-    af.reset()
-    yield path
+    yield af.prompts_file(tmp_path)
     af.reset()
 
 

@@ -12,6 +12,7 @@ from april_slime.core.episodes import CallRequest, Episode, EpisodeError, ModelC
 from april_slime.core.served import match_served
 from april_slime.core.types import Trajectory, TrajectoryStatus
 from april_slime.generate_functions import GenerateFunctions
+from tests.support.agent_functions import served_calls
 
 
 class CharTokenizer:
@@ -76,20 +77,10 @@ def test_a_resumed_call_without_a_stop_string_keeps_every_segment():
     assert reply["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
 
 
-def served(*outputs: list[int]) -> list[ModelCall]:
-    calls = []
-    for k, ids in enumerate(outputs):
-        t = Trajectory(uid=f"c{k}", group_uid="0", index_in_group=0, prompt_ids=[1], max_new_tokens=50,
-                       sampling_seed=1)
-        t.append(ids, [-0.1 * (k + 1)] * len(ids), 10 + k)
-        calls.append(SimpleNamespace(trajectory=t))
-    return calls
-
-
 def test_the_returned_tokens_get_the_versions_of_the_calls_that_made_them():
     response = [5, 6, 90, 91, 7]  # call 0, a tool's two tokens, call 1
     mask = [1, 1, 0, 0, 1]
-    versions = match_served("s", response, mask, [-0.1, -0.1, 0.0, 0.0, -0.2], served([5, 6], [7]))
+    versions = match_served("s", response, mask, [-0.1, -0.1, 0.0, 0.0, -0.2], served_calls([5, 6], [7]))
     assert versions == [10, 10, 10, 10, 11]
 
 
@@ -100,4 +91,4 @@ def test_the_returned_tokens_get_the_versions_of_the_calls_that_made_them():
 ])
 def test_a_sample_that_does_not_match_its_calls_fails_loudly(response, mask, logprobs, what):
     with pytest.raises(EpisodeError, match=what):
-        match_served("s", response, mask, logprobs, served([5, 6], [7]))
+        match_served("s", response, mask, logprobs, served_calls([5, 6], [7]))

@@ -26,6 +26,25 @@ def make_args(**overrides):
     return Namespace(**values)
 
 
+def loss_and_gradient(args, batch, logits):
+    """The plugin's loss, its metrics and the gradient it puts on ``logits`` (then cleared)."""
+    loss, metrics = april_loss.policy_loss(args, batch, logits, reducer_for(batch))
+    loss.backward()
+    grad = logits.grad.clone()
+    logits.grad = None
+    return loss, metrics, grad
+
+
+def direct_objective(batch, logits, **options):
+    """The training wing's objective over log-probs taken straight from the definition (slime's
+    default clip bounds and temperature, as ``make_args`` sets them)."""
+    lp = direct_log_probs(logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"], 0.7)
+    flat_lp, packing = op.pack(lp)
+    return op.policy_objective(
+        flat_lp, torch.cat(batch["log_probs"]), torch.cat(batch["rollout_log_probs"]), torch.cat(batch["advantages"]),
+        torch.cat(batch["loss_masks"]), packing, is_high=1.3, eps_clip=0.2, eps_clip_high=0.28, **options)
+
+
 def direct_log_probs(logits, tokens, total_lengths, response_lengths, temperature):
     """log p(token) one position at a time, straight from the definition."""
     out = []
@@ -107,17 +126,9 @@ def test_policy_loss_equals_direct_objective_and_gradient(mode, level, correctio
     batch, logits = make_batch(seed=2, drift=0.05)
     args = make_args(april_is_mode=mode, april_is_level=level, april_is_correction=correction,
                      advantage_estimator=estimator, april_is_low=0.8)
-    loss, metrics = april_loss.policy_loss(args, batch, logits, reducer_for(batch))
-    loss.backward()
-    grad = logits.grad.clone()
-
-    logits.grad = None
-    lp = direct_log_probs(logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"], 0.7)
-    flat_lp, packing = op.pack(lp)
-    obj = op.policy_objective(
-        flat_lp, torch.cat(batch["log_probs"]), torch.cat(batch["rollout_log_probs"]), torch.cat(batch["advantages"]),
-        torch.cat(batch["loss_masks"]), packing, mode=mode, is_level=level, correction=correction, is_low=0.8,
-        is_high=1.3, eps_clip=0.2, eps_clip_high=0.28, loss_level="sequence" if estimator == "gspo" else "token")
+    loss, metrics, grad = loss_and_gradient(args, batch, logits)
+    obj = direct_objective(batch, logits, mode=mode, is_level=level, correction=correction, is_low=0.8,
+                           loss_level="sequence" if estimator == "gspo" else "token")
     expected = reducer_for(batch)(obj.loss)
     expected.backward()
     torch.testing.assert_close(loss.detach(), expected.detach())
@@ -443,17 +454,8 @@ def test_stale_tokens_are_masked_or_down_weighted_exactly(weight):
     versions = [[[5, 1], [6, 2], [7, 1]], [[3, 3]], [[7, 5]]]
     batch["metadata"] = [{"april_token_versions_rle": v, "april_policy_version": 7} for v in versions]
     args = make_args(april_stale_token_lag=1, april_stale_token_weight=weight)
-    loss, metrics = april_loss.policy_loss(args, batch, logits, reducer_for(batch))
-    loss.backward()
-    grad = logits.grad.clone()
-
-    logits.grad = None
-    lp = direct_log_probs(logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"], 0.7)
-    flat_lp, packing = op.pack(lp)
-    obj = op.policy_objective(
-        flat_lp, torch.cat(batch["log_probs"]), torch.cat(batch["rollout_log_probs"]), torch.cat(batch["advantages"]),
-        torch.cat(batch["loss_masks"]), packing, mode="decoupled", is_level="token", correction="truncate",
-        is_low=0.0, is_high=1.3, eps_clip=0.2, eps_clip_high=0.28)
+    loss, metrics, grad = loss_and_gradient(args, batch, logits)
+    obj = direct_objective(batch, logits, mode="decoupled", is_level="token", correction="truncate", is_low=0.0)
     lags = [7 - v for runs in versions for v, n in runs for _ in range(n)]
     w = torch.tensor([weight if lag > 1 else 1.0 for lag in lags], dtype=torch.float64)
     expected = reducer_for(batch)(obj.loss * w)

@@ -101,22 +101,31 @@ NO_REPLAY = ReplaySpec()
 
 
 # ---------------------------------------------------------------- int32 bytes
-def int32_values(raw: bytes | bytearray) -> array:
-    """Little-endian int32 bytes -> ``array('i')`` (native order)."""
-    values = array("i")
+# Engines send these arrays little-endian; ``array`` holds them in the machine's order.
+def _le_values(raw: bytes | bytearray, typecode: str) -> array:
+    values = array(typecode)
     values.frombytes(bytes(raw))
     if sys.byteorder == "big":
         values.byteswap()
     return values
 
 
-def int32_bytes(values: Any) -> bytes:
-    """Integers -> little-endian int32 bytes."""
-    out = values if isinstance(values, array) and values.typecode == "i" else array("i", values)
+def _le_bytes(values: Any, typecode: str) -> bytes:
+    out = values if isinstance(values, array) and values.typecode == typecode else array(typecode, values)
     if sys.byteorder == "big":
-        out = array("i", out)
+        out = array(typecode, out)
         out.byteswap()
     return out.tobytes()
+
+
+def int32_values(raw: bytes | bytearray) -> array:
+    """Little-endian int32 bytes -> ``array('i')`` (native order)."""
+    return _le_values(raw, "i")
+
+
+def int32_bytes(values: Any) -> bytes:
+    """Integers -> little-endian int32 bytes."""
+    return _le_bytes(values, "i")
 
 
 def decode_int32(value: Any, what: str) -> bytes:
@@ -160,19 +169,12 @@ def decode_log_probs(value: Any, what: str, count: int, tolerance: float) -> byt
 
 def float32_values(raw: bytes | bytearray) -> array:
     """Little-endian float32 bytes -> ``array('f')`` (native order)."""
-    values = array("f")
-    values.frombytes(bytes(raw))
-    if sys.byteorder == "big":
-        values.byteswap()
-    return values
+    return _le_values(raw, "f")
 
 
 def float32_bytes(values: Any) -> bytes:
     """Numbers -> little-endian float32 bytes."""
-    out = array("f", values)
-    if sys.byteorder == "big":
-        out.byteswap()
-    return out.tobytes()
+    return _le_bytes(values, "f")
 
 
 def _copy(raw: bytes | bytearray | None) -> bytes | None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import copy
 from collections import Counter
+from types import SimpleNamespace
 
 import aiohttp
 
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
+from april_slime.core.types import Trajectory
 from tests.support.slime_standin import ToyTokenizer
 
 TURNS = 3
@@ -79,12 +81,7 @@ async def _episode(args, sample, sampling_params):
             response += TOOL_TOKENS
             mask += [0] * len(TOOL_TOKENS)
             logprobs += [0.0] * len(TOOL_TOKENS)
-    sample.tokens = prompt + response
-    sample.response_length = len(response)
-    sample.response = TOKENIZER.decode(response)
-    sample.loss_mask = mask
-    sample.rollout_log_probs = logprobs
-    sample.status = type(sample).Status.COMPLETED
+    completed(sample, prompt, response, mask, logprobs, TOKENIZER)
     return sample, turns
 
 
@@ -146,12 +143,7 @@ async def concurrent_turns(args, sample, sampling_params):
         response += out["output_ids"]
         mask += [1] * len(out["output_ids"])
         logprobs += [float(t[0]) for t in out["meta_info"]["output_token_logprobs"]]
-    sample.tokens = prompt + response
-    sample.response_length = len(response)
-    sample.response = TOKENIZER.decode(response)
-    sample.loss_mask = mask
-    sample.rollout_log_probs = logprobs
-    sample.status = type(sample).Status.COMPLETED
+    completed(sample, prompt, response, mask, logprobs, TOKENIZER)
     return sample
 
 
@@ -186,6 +178,40 @@ def keep_all(args, samples):
     """A dynamic sampling filter (slime's ``f(args, samples)``) that keeps every group."""
     FILTERED.append([type(s).__name__ for s in samples])
     return True
+
+
+def served_calls(*outputs: list[int]) -> list[SimpleNamespace]:
+    """Model calls as an episode holds them once served: call ``k`` returned ``outputs[k]`` under
+    version ``10 + k``, each token with log-prob ``-0.1 * (k + 1)``."""
+    calls = []
+    for k, ids in enumerate(outputs):
+        t = Trajectory(uid=f"c{k}", group_uid="0", index_in_group=0, prompt_ids=[1], max_new_tokens=50,
+                       sampling_seed=1)
+        t.append(ids, [-0.1 * (k + 1)] * len(ids), 10 + k)
+        calls.append(SimpleNamespace(trajectory=t))
+    return calls
+
+
+def completed(sample, prompt: list[int], response: list[int], mask: list[int], logprobs: list[float],
+              tokenizer) -> None:
+    """Fill ``sample`` as a function leaves a finished conversation: its tokens, response (tool
+    output included, loss-masked) and the log-prob of every response token."""
+    sample.tokens = prompt + response
+    sample.response_length = len(response)
+    sample.response = tokenizer.decode(response)
+    sample.loss_mask = mask
+    sample.rollout_log_probs = logprobs
+    sample.status = type(sample).Status.COMPLETED
+
+
+def prompts_file(tmp_path, count: int = 200):
+    """A fresh prompt set for an agent job (questions of a few lengths), with the functions'
+    records cleared; a test's fixture yields it and calls ``reset`` after."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(f'{{"prompt": "question {i:02d} {"x" * (i % 5)}", "label": "{i}"}}\n'
+                            for i in range(count)))
+    reset()
+    return path
 
 
 def reset() -> None:
@@ -240,12 +266,7 @@ async def text_then_ids(args, sample, sampling_params):
             response += observation
             mask += [0] * len(observation)
             logprobs += [0.0] * len(observation)
-    sample.tokens = prompt + response
-    sample.response_length = len(response)
-    sample.response = tokenizer.decode(response)
-    sample.loss_mask = mask
-    sample.rollout_log_probs = logprobs
-    sample.status = type(sample).Status.COMPLETED
+    completed(sample, prompt, response, mask, logprobs, tokenizer)
     return sample
 
 
