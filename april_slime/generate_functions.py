@@ -37,7 +37,7 @@ from april_slime.core.config import AprilConfigError
 from april_slime.core.episodes import Episode, EpisodeError, EpisodeRefused, ModelCall
 from april_slime.core.front import EPISODE_MARKER, sglang_reply
 from april_slime.core.replay import TokenReplay
-from april_slime.core.served import match_calls, match_served, release_routed, served_routed, served_top_p
+from april_slime.core.served import match_calls, match_served, release_routed, served_routed, served_sampler
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.core.versions import VersionRuns
 from april_slime.samples import SampleCodec, Slime, plain, replay_spec
@@ -69,6 +69,7 @@ class GenerateFunctions:
         self.default_path = getattr(args, "custom_generate_function_path", None)
         spec = replay_spec(args)
         self.top_p_replay = spec.top_p  # calls' replies carry their top-p kept ids
+        self.replay_spec = spec
         self.routed_width = spec.routed_width  # int32 per routed-experts row; 0: none replayed
         self.sampling_params = {**sampling_params, "max_new_tokens": args.rollout_max_response_len}
         self.function_args: Any = None  # set by point_at(front)
@@ -183,7 +184,7 @@ class GenerateFunctions:
         member.loss_mask = None
         member.version_runs = VersionRuns().extend_runs(r for c in served for r in c.trajectory.version_runs)
         # what the member holds, for the checks of a restored checkpoint (each sample has its own)
-        member.replay = served_top_p([1] * len(member.response_ids), served) if self.top_p_replay else None
+        member.replay = self._sampler([1] * len(member.response_ids), served)
         member.max_new_tokens = max(member.max_new_tokens, len(member.response_ids))
         member.call_versions = [v for c in served for v in c.trajectory.call_versions]
         member.num_calls = sum(c.trajectory.num_calls for c in served)
@@ -200,12 +201,19 @@ class GenerateFunctions:
                 served: list[ModelCall]) -> TokenReplay | None:
         """What training replays of one returned sample, from the calls whose tokens it holds (in
         order) and the episode's other ``served`` calls that ran a prefix of it."""
-        replay = served_top_p(mask, calls) if self.top_p_replay else None
+        replay = self._sampler(mask, calls)
         if self.routed_width:
             replay = replay if replay is not None else TokenReplay()
             replay.routed_width = self.routed_width
             replay.routed = served_routed(where, list(result.tokens), mask, calls, served, self.routed_width)
         return replay
+
+    def _sampler(self, mask: list[int], calls: list[ModelCall]) -> TokenReplay | None:
+        """The top-p kept ids and sampler top-k rows of a response, from the calls that served it."""
+        spec = self.replay_spec
+        if not (spec.top_p or spec.topk):
+            return None
+        return served_sampler(mask, calls, top_p=spec.top_p, top_p_log_probs=spec.top_p_log_probs, topk=spec.topk)
 
     def _checked(self, where: str, result: Any) -> tuple[str, list[int], list[int], list[float]]:
         """A returned sample's status, response tokens, loss mask and log-probs, or ``EpisodeError``."""

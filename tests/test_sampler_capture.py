@@ -208,3 +208,44 @@ def test_engines_without_the_sampler_top_k_stop_the_first_step(slime_mode, monke
     finally:
         rollout.shutdown()
         cluster.stop()
+
+
+# ------------------------------------------------------------------ through an agent's turns
+def test_an_episodes_sample_gets_each_tokens_sampler_rows_from_the_call_that_served_it():
+    """A generate function's sample (two calls, a tool's two tokens between them): each trained
+    token's top-k row and top-p kept ids come from its own call, in order, over that call's resumed
+    segments; the tool tokens hold no kept id and a uniform placeholder row no loss reads."""
+    import math
+
+    from april_slime.core.replay import SegmentReplay, float32_bytes, int32_bytes
+    from april_slime.core.served import served_sampler
+
+    def call(uid: str, version: int, tokens: list[int], split: int) -> SimpleNamespace:
+        t = Trajectory(uid=uid, group_uid="g", index_in_group=0, prompt_ids=[1], max_new_tokens=20, sampling_seed=0)
+        for part, v in ((tokens[:split], version), (tokens[split:], version + 1)):  # aborted, resumed
+            rows = [head(v, tok) for tok in part]
+            kept = [[tok, tok + 50] for tok in part]
+            t.append(part, [-0.5] * len(part), v, replay=SegmentReplay(
+                topk=K, topk_ids=int32_bytes([i for r in rows for i, _ in r]),
+                topk_log_probs=float32_bytes([lp for r in rows for _, lp in r]),
+                top_p_ids=int32_bytes([i for k in kept for i in k]), top_p_counts=int32_bytes([2] * len(part)),
+                top_p_log_probs=float32_bytes([-0.25] * 2 * len(part))))
+        return SimpleNamespace(trajectory=t)
+
+    calls = [call("c0", 3, [10, 11, 12], 1), call("c1", 5, [20, 21], 1)]
+    mask = [1, 1, 1, 0, 0, 1, 1]
+    replay = served_sampler(mask, calls, top_p=True, top_p_log_probs=True, topk=K)
+    rows = [list(zip(int32_values(replay.topk_ids)[n * K:(n + 1) * K],
+                     float32_values(replay.topk_log_probs)[n * K:(n + 1) * K])) for n in range(len(mask))]
+    expected = [head(3, 10), head(4, 11), head(4, 12), None, None, head(5, 20), head(6, 21)]
+    for n, want in enumerate(expected):
+        if want is None:
+            assert [i for i, _ in rows[n]] == list(range(K))
+            assert all(lp == pytest.approx(-math.log(K)) for _, lp in rows[n])
+        else:
+            assert [i for i, _ in rows[n]] == [i for i, _ in want]
+            assert [lp for _, lp in rows[n]] == pytest.approx([lp for _, lp in want])
+    assert list(int32_values(replay.top_p_counts)) == [2, 2, 2, 0, 0, 2, 2]
+    assert list(int32_values(replay.top_p_ids)) == [10, 60, 11, 61, 12, 62, 20, 70, 21, 71]
+    spec = ReplaySpec(top_p=True, top_p_log_probs=True, topk=K)
+    assert replay.covers(spec, prompt_len=1, response_len=len(mask)) is None
