@@ -31,7 +31,7 @@ def test_router_dispatch_through_the_real_router(real_stack, hf_models, tmp_path
         groups = {s.group_index for s in samples}
         assert not groups & seen, "a prompt group trained twice"
         seen.update(groups)
-        client = rollout._RUNTIME.client.client
+        client = rollout._RUNTIME.client
         assert client.dispatch.mode == "router" and client.engine_urls == [real_stack.router_url]
 
     steps, mixed = steps_across_weight_pushes(real_stack, m, hf_models, check_step=check_step)
