@@ -104,7 +104,8 @@ def test_rows_with_the_training_fit_run_as_an_arm_are_partly_fitted():
     assert reproduce_counts(data["rows"])["partly fitted"]["rows"] == 5
 
 
-BOUNDS_BANDS = ("docs/results/bench_multiturn_bounds.json", "docs/results/bench_dapo16k_bounds.json")
+BOUNDS_BANDS = ("docs/results/bench_multiturn_bounds.json", "docs/results/bench_multiturn_bounds_oldest.json",
+                "docs/results/bench_dapo16k_bounds.json")
 
 
 @pytest.mark.parametrize("path", BOUNDS_BANDS)
