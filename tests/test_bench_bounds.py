@@ -9,6 +9,7 @@ one) and fail by timing out, then are retried. No timing is asserted.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import replace
 
@@ -17,7 +18,7 @@ import pytest
 from april_workbench.bench import ENGINE_PRESETS, Workload
 from april_workbench.bench.band import Variant, gain_retained
 from april_workbench.bench.cli import parse_bounds
-from april_workbench.bench.multiturn import EpisodeDriver, plan_episode
+from april_workbench.bench.multiturn import EpisodeDriver, OldestFirstPool, plan_episode
 from april_workbench.bench.multiturn_report import run_pair_band
 from april_workbench.bench.runner import plan, run_benchmark, run_policy
 from april_workbench.bench.workloads import split_label
@@ -114,9 +115,9 @@ def test_tool_failures_time_out_and_are_retried():
     assert sum(p.tool_failures for p, _ in pairs) == sum(len(a) - 1 for a, _ in phases)
 
 
-@pytest.mark.parametrize("workers", [2, None])
-def test_tool_calls_share_a_bounded_pool_of_workers(workers):
-    w = tiny(steps=3, tool_workers=workers)
+@pytest.mark.parametrize("workers, order", [(2, "fifo"), (None, "fifo"), (2, "oldest")])
+def test_tool_calls_share_a_bounded_pool_of_workers(workers, order):
+    w = tiny(steps=3, tool_workers=workers, tool_pool_order=order)
 
     async def go():
         model = SyntheticLM(seed=w.seed, length=w.length_model())
@@ -131,3 +132,52 @@ def test_tool_calls_share_a_bounded_pool_of_workers(workers):
     else:
         assert driver.agent.tool_busy_max == workers, "the pool never filled: its bound was not tested"
         assert waited > 0 and result.settings["tool_busy_max"] == workers
+
+
+async def _until_waiting(pool: OldestFirstPool, n: int) -> None:
+    """Let the other tasks run until ``n`` calls wait on ``pool`` (no clock involved)."""
+    while len(pool.waiting) < n:
+        await asyncio.sleep(0)
+
+
+def test_the_oldest_first_pool_hands_a_freed_worker_to_the_oldest_episode():
+    """A young episode's call that came first waits behind an older episode's that came later;
+    a cancelled waiter neither takes nor loses a worker."""
+    async def go():
+        pool, order, held, free_it = OldestFirstPool(1), [], asyncio.Event(), asyncio.Event()
+
+        async def holder():
+            async with pool.slot(0.0):
+                held.set()
+                await free_it.wait()
+
+        async def call(name, started):
+            async with pool.slot(started):
+                order.append(name)
+
+        tasks = [asyncio.create_task(holder())]
+        await held.wait()
+        tasks.append(asyncio.create_task(call("young, first come", 5.0)))
+        await _until_waiting(pool, 1)
+        gone = asyncio.create_task(call("cancelled", 0.5))
+        tasks.append(asyncio.create_task(call("old, come later", 1.0)))
+        await _until_waiting(pool, 3)
+        gone.cancel()
+        free_it.set()
+        await asyncio.gather(*tasks)
+        assert gone.cancelled() and order == ["old, come later", "young, first come"]
+        assert pool.free == 1 and not pool.waiting
+
+        # a waiter cancelled just after it was handed a worker passes the worker on
+        await pool._acquire(0.0)  # a call holds the one worker
+        late = asyncio.create_task(call("late", 2.0))
+        await _until_waiting(pool, 1)
+        pool._release()  # the holder is done: the worker goes to ``late``'s waiter ...
+        late.cancel()  # ... which is cancelled before it runs
+        with pytest.raises(asyncio.CancelledError):
+            await late
+        assert pool.free == 1 and not pool.waiting and "late" not in order
+
+    asyncio.run(go())
+    with pytest.raises(ValueError, match="tool_pool_order"):
+        tiny(tool_pool_order="lifo")

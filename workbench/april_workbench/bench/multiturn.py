@@ -15,7 +15,9 @@ What this module owns:
 * ``BenchAgent``: an in-process ``core.episodes.EpisodeAgent``. Its coroutine makes the turns by
   calling ``EpisodeRunner.call`` directly (the HTTP front is only a transport, not needed here) and
   runs each tool attempt on one of ``tool_workers`` workers (a semaphore shared by every episode:
-  a call waits for a free worker, as on a sandbox pool), sleeping its latency on the loop's clock,
+  a call waits for a free worker, as on a sandbox pool; first come first served, or with
+  ``tool_pool_order: oldest`` the oldest episode's call first, ``OldestFirstPool``), sleeping its
+  latency on the loop's clock,
   which on the bench's virtual loop is emulated time; ``finish`` builds the member as a generate
   function's sample would be (calls and tool results concatenated, tool tokens masked, per-token
   versions).
@@ -30,6 +32,8 @@ core's (``core.episodes``, ``core.scheduler``); nothing of it is re-implemented 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -160,16 +164,58 @@ class EpisodeRecord:
     ended: float
 
 
+class OldestFirstPool:
+    """Tool workers, each freed one handed to the waiting call of the oldest episode (its launch
+    time; ties: first come) instead of the first come (``asyncio.Semaphore``, ``tool_pool_order``
+    fifo). Under a staleness bound the oldest episodes are the ones their step waits for."""
+
+    def __init__(self, workers: int):
+        self.free = workers
+        self.waiting: list[tuple[float, int, asyncio.Future]] = []  # (episode launch time, arrival, waiter)
+        self.arrivals = 0
+
+    @contextlib.asynccontextmanager
+    async def slot(self, started: float):
+        await self._acquire(started)
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _acquire(self, started: float) -> None:
+        if self.free and not self.waiting:
+            self.free -= 1
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self.arrivals += 1
+        heapq.heappush(self.waiting, (started, self.arrivals, waiter))
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._release()  # handed a worker as it was cancelled: pass the worker on
+            raise
+
+    def _release(self) -> None:
+        while self.waiting:
+            *_, waiter = heapq.heappop(self.waiting)
+            if not waiter.done():  # a cancelled call's waiter is skipped
+                waiter.set_result(None)
+                return
+        self.free += 1
+
+
 class BenchAgent:
     """An ``EpisodeAgent`` whose episodes make their planned turns through ``runner.call``."""
 
     def __init__(self, plans: dict[str, EpisodePlan], tool_tokens: int, time_scale: float = 1.0,
-                 tool_workers: int | None = None):
+                 tool_workers: int | None = None, tool_pool_order: str = "fifo"):
         self.plans = plans
         self.tool_ids = tool_result(tool_tokens)
         self.time_scale = time_scale  # emulated seconds per loop second (http mode runs on the wall clock)
         self.tool_workers = tool_workers  # None: every tool call runs at once
-        self._pool: asyncio.Semaphore | None = None
+        self.tool_pool_order = tool_pool_order  # fifo or oldest (Workload.tool_pool_order)
+        self._pool: asyncio.Semaphore | OldestFirstPool | None = None
         self.tool_wait_s = 0.0  # emulated seconds tool calls waited for a free worker
         self.tool_busy_max = 0  # most workers busy at once
         self._busy = 0
@@ -183,28 +229,31 @@ class BenchAgent:
     async def _episode(self, member: Trajectory, plan: EpisodePlan) -> list[int]:
         assert self.runner is not None, "the driver sets the agent's runner"
         loop = asyncio.get_running_loop()
-        self._started[member.uid] = loop.time()
+        started = self._started[member.uid] = loop.time()
         context = list(member.prompt_ids)
         for turn, tokens in enumerate(plan.lengths):
             if turn:
                 for seconds in plan.tool_attempts[turn - 1]:
-                    await self._tool(seconds)
+                    await self._tool(seconds, started)
                 context += self.tool_ids
             reply = await self.runner.call(member.uid, CallRequest(
                 input_ids=list(context), max_new_tokens=tokens, sampling_params=dict(SAMPLING_PARAMS)))
             context += reply["output_ids"]
         return context
 
-    async def _tool(self, seconds: float) -> None:
-        """One tool attempt: wait for a worker, hold it ``seconds`` (emulated)."""
+    async def _tool(self, seconds: float, started: float) -> None:
+        """One tool attempt: wait for a worker, hold it ``seconds`` (emulated); ``started``: when
+        its episode was launched (the oldest-first pool's order)."""
         if self.tool_workers is None:
             await asyncio.sleep(seconds / self.time_scale)
             return
         if self._pool is None:
-            self._pool = asyncio.Semaphore(self.tool_workers)
+            self._pool = (asyncio.Semaphore(self.tool_workers) if self.tool_pool_order == "fifo"
+                          else OldestFirstPool(self.tool_workers))
         loop = asyncio.get_running_loop()
         queued = loop.time()
-        async with self._pool:
+        slot = self._pool if isinstance(self._pool, asyncio.Semaphore) else self._pool.slot(started)
+        async with slot:
             self.tool_wait_s += (loop.time() - queued) * self.time_scale
             self._busy += 1
             self.tool_busy_max = max(self.tool_busy_max, self._busy)
@@ -257,7 +306,8 @@ class EpisodeDriver:
         self.agent: BenchAgent | None = None
         self.episodes: EpisodeRunner | None = None
         if not workload.flat_episodes:
-            self.agent = BenchAgent(self.prompts.plans, workload.tool_tokens, time_scale, workload.tool_workers)
+            self.agent = BenchAgent(self.prompts.plans, workload.tool_tokens, time_scale, workload.tool_workers,
+                                    workload.tool_pool_order)
             self.episodes = EpisodeRunner(self.agent)
             self.agent.runner = self.episodes
         self.returned: list[dict[str, list[str]]] = []  # per step: group uid -> member uids

@@ -29,7 +29,7 @@ from .spec import EngineSpec
 from .workloads import Workload
 
 TOOL_KEYS = {"tool_median_s", "tool_sigma", "tool_workers", "tool_failure_rate", "tool_timeout_s",
-             "tool_max_retries"}  # variants that change only these leave the flat twin as is
+             "tool_max_retries", "tool_pool_order"}  # variants that change only these leave the flat twin as is
 
 
 def flat_twin(workload: Workload) -> Workload:
@@ -75,7 +75,9 @@ def describe(workload: Workload, stats: dict[str, float]) -> str:
             f"tools: lognormal, median {workload.tool_median_s:g} s, sigma {workload.tool_sigma:g} (mean "
             f"{stats['tool_s_mean']:.2f} s, p90 {stats['tool_s_p90']:.2f} s, {stats['tool_s_per_episode_mean']:.1f} s "
             f"per episode, failed attempts included), {workload.tool_tokens} masked tokens per tool result; "
-            f"{workload.tool_workers or 'unbounded'} tool workers, {workload.tool_failure_rate:.0%} of attempts "
+            f"{workload.tool_workers or 'unbounded'} tool workers"
+            f"{' (the oldest episode served first)' if workload.tool_pool_order == 'oldest' else ''}, "
+            f"{workload.tool_failure_rate:.0%} of attempts "
             f"time out at {workload.tool_timeout_s:g} s (retried up to {workload.tool_max_retries} times; "
             f"{stats['tool_failures_per_call']:.3f} failed attempts per tool call); single-turn twin: the same "
             f"prompts, each sample one response of its episode's model tokens")

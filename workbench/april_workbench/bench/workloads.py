@@ -72,6 +72,9 @@ class Workload:
     tool_failure_rate: float = 0.05
     tool_timeout_s: float = 30.0
     tool_max_retries: int = 2
+    # Which waiting call a freed tool worker takes: "fifo", the first come (a plain sandbox pool),
+    # or "oldest", the call of the episode launched first (a pool that orders by episode age).
+    tool_pool_order: str = "fifo"
     # The equal-tokens twin of a multi-turn workload: each episode's model tokens as one response
     # of one call, no tool (the same prompts, the same tokens per sample).
     flat_episodes: bool = False
@@ -123,6 +126,8 @@ class Workload:
             raise ValueError(f"workload tool_timeout_s must be a finite number > 0, got {self.tool_timeout_s}")
         if self.tool_max_retries < 0:
             raise ValueError(f"workload tool_max_retries must be >= 0, got {self.tool_max_retries}")
+        if self.tool_pool_order not in ("fifo", "oldest"):
+            raise ValueError(f"workload tool_pool_order must be fifo or oldest, got {self.tool_pool_order!r}")
 
     @property
     def samples_per_step(self) -> int:
