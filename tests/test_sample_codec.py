@@ -32,13 +32,13 @@ from april_workbench.emulator.request import _RUNNING
 from tests.support.slime_jobs import Cluster, make_args, point_at
 
 ROLLOUTS = 3
-MAX_ROLLOUTS = 8
+MAX_ROLLOUTS = 12  # a starved machine may need several steps before one aborts a request with tokens
 
 @pytest.fixture
 def prompts(tmp_path):
     path = tmp_path / "prompts.jsonl"
     with open(path, "w") as f:
-        for i in range(60):
+        for i in range(240):  # enough for MAX_ROLLOUTS over-sampled steps
             f.write(json.dumps({"prompt": f"Q{i:03d}", "label": str(2 * i)}) + "\n")
     return path
 

@@ -74,6 +74,9 @@ MISC_ARGS=(
 )
 # slime's actors each ask Ray for CPUs: scheduling tokens, not cores, on a 2-core machine
 RAY_START_ARGS+=(--num-cpus "${RAY_NUM_CPUS:-8}")
+# Ray runs its workers at nice 15 so the raylet stays responsive; on CPUs shared with other work that
+# starves the job's own actors (slime's RolloutManager, its SGLang engine) behind any busy process
+export RAY_worker_niceness="${RAY_worker_niceness:-0}"
 
 # scripts/real-stack/sglang_cpu_site: slime's CPU accelerator, SGLang's CPU workarounds, in every
 # process of the job (Ray's workers and the engines they start); EXTRA_PYTHONPATH: the folders of

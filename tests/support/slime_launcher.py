@@ -70,8 +70,11 @@ class RayCluster:
         self.address = f"http://127.0.0.1:{self.dashboard_port}"
 
     def _ray(self, *argv: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
-        return subprocess.run([str(LAUNCHER_VENV / "bin" / "ray"), *argv], env=launcher_env(), text=True,
-                              capture_output=True, timeout=timeout)
+        # the job's actors at normal priority, as run-cpu.sh starts them: Ray's default (nice 15)
+        # starves them behind whatever else keeps the machine's cores busy (a launch then took 11
+        # minutes to reach its first rollout beside two busy loops)
+        return subprocess.run([str(LAUNCHER_VENV / "bin" / "ray"), *argv], env=launcher_env(RAY_worker_niceness=0),
+                              text=True, capture_output=True, timeout=timeout)
 
     def start(self) -> RayCluster:
         done = self._ray("start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.gcs_port),
