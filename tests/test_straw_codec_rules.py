@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from april_slime import rollout
+from tests.support.slime_040_sample import require_real_slime
 from tests.support.slime_jobs import Cluster, make_args, point_at
 from tests.support.straw_codec import check_samples, differences, round_trip
+
+
+@pytest.fixture(autouse=True)
+def _needs_slime():
+    """The rules name slime's own classes (its ``Sample`` and the types inside it)."""
+    require_real_slime()
 
 
 class Colour(str, enum.Enum):
