@@ -84,7 +84,7 @@ def test_an_episode_returning_a_list_trains_each_sample_with_its_own_versions(cl
     the prompt x samples of one episode) and flattens to samples with exact per-token versions."""
     args, source = job(tmp_path, prompts, cluster, april_policy=policy, april_concurrency=12)
     trained, fanned, spanning = set(), 0, 0
-    for step in range(8):
+    for step in range(16):  # until a resumed turn spans two versions: a starved step may resume none
         cluster.bump(step + 1)
         out = rollout.generate_rollout(args, step, source)
         assert len(out.samples) == args.rollout_batch_size
