@@ -213,7 +213,7 @@ class GenerateFunctions:
         spec = self.replay_spec
         if not (spec.top_p or spec.topk):
             return None
-        return served_sampler(mask, calls, top_p=spec.top_p, top_p_log_probs=spec.top_p_log_probs, topk=spec.topk)
+        return served_sampler(mask, calls, spec)
 
     def _checked(self, where: str, result: Any) -> tuple[str, list[int], list[int], list[float]]:
         """A returned sample's status, response tokens, loss mask and log-probs, or ``EpisodeError``."""

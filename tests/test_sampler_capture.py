@@ -234,7 +234,8 @@ def test_an_episodes_sample_gets_each_tokens_sampler_rows_from_the_call_that_ser
 
     calls = [call("c0", 3, [10, 11, 12], 1), call("c1", 5, [20, 21], 1)]
     mask = [1, 1, 1, 0, 0, 1, 1]
-    replay = served_sampler(mask, calls, top_p=True, top_p_log_probs=True, topk=K)
+    spec = ReplaySpec(top_p=True, top_p_log_probs=True, topk=K)
+    replay = served_sampler(mask, calls, spec)
     rows = [list(zip(int32_values(replay.topk_ids)[n * K:(n + 1) * K],
                      float32_values(replay.topk_log_probs)[n * K:(n + 1) * K])) for n in range(len(mask))]
     expected = [head(3, 10), head(4, 11), head(4, 12), None, None, head(5, 20), head(6, 21)]
@@ -247,5 +248,4 @@ def test_an_episodes_sample_gets_each_tokens_sampler_rows_from_the_call_that_ser
             assert [lp for _, lp in rows[n]] == pytest.approx([lp for _, lp in want])
     assert list(int32_values(replay.top_p_counts)) == [2, 2, 2, 0, 0, 2, 2]
     assert list(int32_values(replay.top_p_ids)) == [10, 60, 11, 61, 12, 62, 20, 70, 21, 71]
-    spec = ReplaySpec(top_p=True, top_p_log_probs=True, topk=K)
     assert replay.covers(spec, prompt_len=1, response_len=len(mask)) is None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from april_slime.core.episodes import EpisodeError, EpisodeRefused, ModelCall
-from april_slime.core.replay import INT32, TokenReplay, float32_bytes, int32_bytes, stitch_calls
+from april_slime.core.replay import INT32, ReplaySpec, TokenReplay, float32_bytes, int32_bytes, stitch_calls
 from april_slime.core.types import Trajectory
 
 # a returned log-prob must be the served one up to float32 rounding done by the function's JSON
@@ -80,17 +80,19 @@ def _spread(mask: list[int], trainable_versions: list[int]) -> list[int]:
     return out
 
 
-def served_sampler(mask: list[int], served: list[ModelCall], *, top_p: bool, top_p_log_probs: bool = False,
-                   topk: int = 0) -> TokenReplay:
-    """What the sampler kept for an episode's response, token by token: each trainable token's from
-    the call that served it (``match_served`` checked they are those tokens, in order): its top-p
-    kept ids (and their log-probs) and its sampler top-``topk`` row. The others (tool output, loss-
-    masked) hold no kept id, as slime pads them, and a top-k row no loss reads: the ids 0..k-1 at
-    log(1/k) each (a valid distribution, so a score computed over it stays finite)."""
+def served_sampler(mask: list[int], served: list[ModelCall], spec: ReplaySpec) -> TokenReplay:
+    """What the sampler kept for an episode's response, token by token, as ``spec`` (its top-p and
+    top-k parts) asks: each trainable token's from the call that served it (``match_served`` checked
+    they are those tokens, in order): its top-p kept ids (and their log-probs) and its sampler top-k
+    row. The others (tool output, loss-masked) hold no kept id, as slime pads them, and a top-k row
+    no loss reads: the ids 0..k-1 at log(1/k) each (a valid distribution, so a score computed over it
+    stays finite)."""
+    sampler = ReplaySpec(top_p=spec.top_p, top_p_log_probs=spec.top_p_log_probs, topk=spec.topk)
+    topk, row = spec.topk, spec.topk * INT32
     ids, counts, lps = bytearray(), [], bytearray()
     topk_ids, topk_lps = bytearray(), bytearray()
-    filler_ids, filler_lps = int32_bytes(range(topk)), float32_bytes([-math.log(topk)] * topk) if topk else b""
-    row = topk * INT32
+    filler_ids = int32_bytes(range(topk))
+    filler_lps = float32_bytes([-math.log(topk)] * topk) if topk else b""
     calls = iter(served)
     call: ModelCall | None = None
     pos, held = 0, 0
@@ -104,13 +106,15 @@ def served_sampler(mask: list[int], served: list[ModelCall], *, top_p: bool, top
             call, pos = next(calls), 0
             t = call.trajectory
             held = t.response_length
-            _check_holds(t, top_p=top_p, top_p_log_probs=top_p_log_probs, topk=topk)
-            offsets = t.replay.top_p_offsets() if top_p else None
+            missing = "no sampler data" if t.replay is None else t.replay.covers(sampler, len(t.prompt_ids), held)
+            if missing is not None:
+                raise EpisodeError(f"model call {t.uid} holds {missing}")
+            offsets = t.replay.top_p_offsets() if spec.top_p else None
         replay = call.trajectory.replay
-        if top_p:
+        if spec.top_p:
             start, end = offsets[pos] * INT32, offsets[pos + 1] * INT32
             ids += replay.top_p_ids[start:end]
-            if top_p_log_probs:
+            if spec.top_p_log_probs:
                 lps += replay.top_p_log_probs[start:end]
             counts.append(offsets[pos + 1] - offsets[pos])
         if topk:
@@ -118,28 +122,12 @@ def served_sampler(mask: list[int], served: list[ModelCall], *, top_p: bool, top
             topk_lps += replay.topk_log_probs[pos * row:(pos + 1) * row]
         pos += 1
     out = TokenReplay()
-    if top_p:
+    if spec.top_p:
         out.top_p_ids, out.top_p_counts = ids, bytearray(int32_bytes(counts))
-        out.top_p_log_probs = lps if top_p_log_probs else None
+        out.top_p_log_probs = lps if spec.top_p_log_probs else None
     if topk:
         out.topk, out.topk_ids, out.topk_log_probs = topk, topk_ids, topk_lps
     return out
-
-
-def _check_holds(t: Trajectory, *, top_p: bool, top_p_log_probs: bool, topk: int) -> None:
-    """A served call must hold what the sampler kept for every one of its tokens."""
-    replay, n = t.replay, t.response_length
-    missing = None
-    if replay is None:
-        missing = "no sampler data"
-    elif top_p and replay.top_p_tokens != n:
-        missing = "no top-p kept ids"
-    elif top_p_log_probs and replay.top_p_log_probs is None:
-        missing = "no top-p log-probs"
-    elif topk and (replay.topk != topk or replay.topk_tokens != n):
-        missing = f"no sampler top-{topk} rows"
-    if missing is not None and (top_p or topk):
-        raise EpisodeError(f"model call {t.uid} holds {missing} for its {n} tokens")
 
 
 ROUTED_NOT_A_PREFIX = (
