@@ -26,6 +26,28 @@ def transformers_log_probs(model, tokens: list[int], response_length: int):
     return torch.log_softmax(logits, dim=-1)[len(tokens) - 1 - response_length:]
 
 
+def check_top_k(s, positions, versions, hf_models, weights_of, seen) -> None:
+    """Each response token at ``positions``: every id of its top-k row has transformers' log-prob
+    under the token's version, and the ids are its top-k (only a near tie at the k-th place may swap
+    one; counted in ``seen["ties"]``, the tokens checked in ``seen["tokens"]``)."""
+    ids, log_probs = s.rollout_topk_token_ids, s.rollout_topk_log_probs
+    for v in {versions[i] for i in positions}:
+        full = transformers_log_probs(hf_models[weights_of[v]], s.tokens, s.response_length)
+        top = full.topk(K + 1, dim=-1)
+        for i in (i for i in positions if versions[i] == v):
+            seen["tokens"] += 1
+            got = [int(x) for x in ids[i]]
+            for j, token in enumerate(got):
+                assert abs(float(log_probs[i, j]) - float(full[i, token])) < LOGPROB_TOLERANCE, (
+                    f"sample {s.index} token {i} (version {v}, weights {weights_of[v]}): top-{K} "
+                    f"log-prob of id {token} {float(log_probs[i, j])} vs transformers {float(full[i, token])}")
+            if sorted(got) != sorted(int(x) for x in top.indices[i, :K]):
+                assert float(top.values[i, K - 1] - top.values[i, K]) < LOGPROB_TOLERANCE, (
+                    f"sample {s.index} token {i} (version {v}): top-{K} ids {got}, transformers "
+                    f"{top.indices[i, :K].tolist()}")
+                seen["ties"] += 1
+
+
 def test_top_k_of_every_token_is_transformers_top_k_under_its_version(real_stack, hf_models, tmp_path,
                                                                        monkeypatch):
     with_040_fields(monkeypatch)
@@ -44,23 +66,7 @@ def test_top_k_of_every_token_is_transformers_top_k_under_its_version(real_stack
             assert tuple(ids.shape) == tuple(log_probs.shape) == (s.response_length, K)
             versions = [int(v) for v, c in s.train_metadata[TOKEN_VERSIONS_KEY] for _ in range(int(c))]
             seen["resumed"] += s.metadata["april_num_aborts"] > 0 and len(set(versions)) > 1
-            for v in set(versions):
-                full = transformers_log_probs(hf_models[weights_of[v]], s.tokens, s.response_length)
-                top = full.topk(K + 1, dim=-1)
-                for i in (i for i, tv in enumerate(versions) if tv == v):
-                    seen["tokens"] += 1
-                    got = [int(x) for x in ids[i]]
-                    # every id's log-prob is transformers' under the token's version ...
-                    for j, token in enumerate(got):
-                        assert abs(float(log_probs[i, j]) - float(full[i, token])) < LOGPROB_TOLERANCE, (
-                            f"sample {s.index} token {i} (version {v}, weights {weights_of[v]}): top-{K} "
-                            f"log-prob of id {token} {float(log_probs[i, j])} vs transformers {float(full[i, token])}")
-                    # ... and the ids are its top-k (only a near tie at the k-th place may swap one)
-                    if sorted(got) != sorted(int(x) for x in top.indices[i, :K]):
-                        assert float(top.values[i, K - 1] - top.values[i, K]) < LOGPROB_TOLERANCE, (
-                            f"sample {s.index} token {i} (version {v}): top-{K} ids {got}, transformers "
-                            f"{top.indices[i, :K].tolist()}")
-                        seen["ties"] += 1
+            check_top_k(s, range(s.response_length), versions, hf_models, weights_of, seen)
 
     steps, mixed = steps_across_weight_pushes(real_stack, m, hf_models, check_step=check_step)
     assert mixed > 0 and seen["resumed"] > 0, (
@@ -104,19 +110,7 @@ def test_an_agents_trained_tokens_carry_the_top_k_of_the_call_that_sampled_them(
                 for i in (i for i, keep in enumerate(s.loss_mask) if not keep):
                     seen["observations"] += 1
                     assert [int(x) for x in ids[i]] == list(range(K))
-                for v in {versions[i] for i in trained}:
-                    full = transformers_log_probs(hf_models[weights_of[v]], s.tokens, s.response_length)
-                    top = full.topk(K + 1, dim=-1)
-                    for i in (i for i in trained if versions[i] == v):
-                        seen["tokens"] += 1
-                        got = [int(x) for x in ids[i]]
-                        for j, token in enumerate(got):
-                            assert abs(float(log_probs[i, j]) - float(full[i, token])) < LOGPROB_TOLERANCE, (
-                                f"sample {s.index} token {i} (version {v}): top-{K} log-prob of id {token} "
-                                f"{float(log_probs[i, j])} vs transformers {float(full[i, token])}")
-                        if sorted(got) != sorted(int(x) for x in top.indices[i, :K]):
-                            assert float(top.values[i, K - 1] - top.values[i, K]) < LOGPROB_TOLERANCE
-                            seen["ties"] += 1
+                check_top_k(s, trained, versions, hf_models, weights_of, seen)
             if step >= 2 and seen["resumed_calls"] and seen["spanning"]:
                 break
     finally:

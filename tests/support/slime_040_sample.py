@@ -12,6 +12,7 @@ plugin looks (``slime.utils.types.Sample``) for one test, so the plugin sees a s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 FIELDS_040 = ("rollout_top_p_log_probs", "rollout_topk_token_ids", "rollout_topk_log_probs")
@@ -30,7 +31,10 @@ def require_real_slime() -> None:
         pytest.skip("needs slime's own Sample (slime is not installed; scripts/real-stack/setup.sh installs it)")
 
 
+@functools.cache
 def sample_with_040_fields() -> type:
+    """One subclass per process: a slime module that imports ``Sample`` while it is installed keeps
+    that class, so a later test must install the same one (slime checks ``isinstance`` against it)."""
     from slime.utils.types import Sample
 
     return dataclasses.make_dataclass("Sample", [(name, Any, dataclasses.field(default=None)) for name in FIELDS_040],
