@@ -273,6 +273,16 @@ MUTATIONS: list[Mutation] = [
         tests=("tests/test_episodes.py", "tests/test_generate_functions.py", "tests/real/test_episodes_real.py",
                "tests/real/test_agent_examples_real.py"),
     ),
+    Mutation(
+        name="reply-text-past-the-stop",
+        what="a generate function's reply keeps the text that a stop string's last token carries past it",
+        edits=(Edit(
+            "april_slime/core/front.py",
+            "        return (text[:at + len(stop)] if keep else text[:at]), stop\n",
+            "        return text, stop\n",
+        ),),
+        tests=("tests/test_generate_functions.py", "tests/real/test_reply_text_real.py"),
+    ),
     *_slime_patch_mutations(),
 ]
 

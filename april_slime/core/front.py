@@ -264,6 +264,7 @@ def sglang_reply(call: ModelCall, decode: Decode, *, routed_width: int, top_p: b
                 ids = list(t.response_ids)
             finish = "stop"
             t.finish_reason, t.status = "stop", TrajectoryStatus.COMPLETED
+    text, matched = _reply_text(ids, finish, matched, call.request.stop, params, decode)
     finish_reason: dict[str, Any] = {"type": finish}
     if matched is not None:
         finish_reason["matched"] = matched
@@ -271,7 +272,7 @@ def sglang_reply(call: ModelCall, decode: Decode, *, routed_width: int, top_p: b
         finish_reason["length"] = len(ids)
     latest = t.version_runs[-1][0] if t.version_runs else (t.call_versions[-1] if t.call_versions else 0)
     return {
-        "text": decode(ids, params),
+        "text": text,
         "output_ids": ids,
         "meta_info": {
             "id": t.uid,
@@ -312,6 +313,24 @@ def _top_p_fields(t: Trajectory) -> dict:
         return {}
     return {"top_p_token_ids": base64.b64encode(bytes(t.replay.top_p_ids)).decode("ascii"),
             "top_p_token_offsets": base64.b64encode(int32_bytes(t.replay.top_p_offsets())).decode("ascii")}
+
+
+def _reply_text(ids: list[int], finish: str, matched: str | None, stops: tuple[str, ...], params: dict,
+                decode: Decode) -> tuple[str, str | int | None]:
+    """A finished call's text and what its stop matched, as SGLang's detokenizer makes them
+    (``trim_matched_stop``): the token that completes a stop string can carry text past it, which
+    is cut (the string kept with ``no_stop_trim``, else cut too); a stop token (EOS, a stop token
+    id: a "stop" that no stop string explains) is decoded only with ``no_stop_trim``. The output
+    ids are not cut: SGLang returns every sampled token."""
+    text = decode(ids, params)
+    if finish != "stop" or not ids:
+        return text, matched
+    keep = bool(params.get("no_stop_trim", False))
+    found = [(text.find(s), s) for s in stops if s and s in text]
+    if found:
+        at, stop = min(found)
+        return (text[:at + len(stop)] if keep else text[:at]), stop
+    return (text if keep else decode(ids[:-1], params)), ids[-1]
 
 
 def _first_stop(ids: list[int], stops: tuple[str, ...], params: dict, decode: Decode) -> tuple[int, str] | None:
