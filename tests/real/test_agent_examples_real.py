@@ -99,6 +99,8 @@ class Function:
         self.name, self.module, self.tokenizer = name, module, tokenizer
         # its observation of a turn without a tool call (the function's own code says it)
         self.invalid_observation = asyncio.run(module.execute_predictions(""))[0]
+        # how a call's output ids become its reply's text: slime's sampling parameters (set_job)
+        self.reply_decoding: dict = {}
         if name == SEARCH:
             self.prompts = tag_policy.write_search_prompts(tmp_path / "search.jsonl", 64)
             self.extra = []
@@ -108,6 +110,13 @@ class Function:
             # retool's context budget (rollout_max_context_len, else cp size x max_tokens_per_gpu)
             self.extra = ["--reward-key", "score", "--rollout-max-context-len", "2048"]
             self.stops = ()
+
+    def set_job(self, args) -> None:
+        """The job's sampling parameters, as slime hands them to a generate function."""
+        from slime.rollout.sglang_rollout import GenerateState
+
+        params = GenerateState(args).sampling_params
+        self.reply_decoding = {k: params[k] for k in ("skip_special_tokens", "spaces_between_special_tokens")}
 
     def argv(self) -> list[str]:
         return ["--custom-generate-function-path", f"{self.name}.generate", "--custom-rm-path",
@@ -119,21 +128,30 @@ class Function:
     def prompt_ids(self, s) -> list[int]:
         return self.tokenizer(self.prompt_text(s), add_special_tokens=False)["input_ids"]
 
-    def engine_context(self, s, segments, turn: int, tokenized: set[tuple[int, ...]]) -> list[int]:
-        """The input ids of the model call that made model segment ``turn``: retool sends its
-        token ids; search-r1 sends prompt and response as text, which the plugin tokenizes as
-        SGLang does (``tokenized``: every text's ids). Where the text's ids are the sample's own,
-        the engine was given those; else it was given what the conversation's text tokenizes to:
-        the prompt, the output of each call as the plugin's reply decoded it, the observations."""
+    def engine_context(self, s, segments, turn: int) -> list[int]:
+        """The input ids the function's call for model segment ``turn`` asks for: retool sends its
+        token ids; search-r1 sends prompt and response as text, which SGLang tokenizes: the prompt,
+        the text of each call's reply (decoded as slime's sampling parameters ask: with
+        ``--rollout-skip-special-tokens`` off, a turn that ended at EOS carries EOS's text into the
+        next call's prompt), the observations."""
         prompt_len = len(s.tokens) - s.response_length
         start = segments[turn][1]
-        own = s.tokens[:prompt_len + start]
-        if self.name == RETOOL or tuple(own) in tokenized:
-            return own
+        if self.name == RETOOL:
+            return s.tokens[:prompt_len + start]
         response = s.tokens[prompt_len:]
-        text = "".join(self.tokenizer.decode(response[a:b], skip_special_tokens=bool(keep))
+        text = "".join(self.reply_text(response[a:b]) if keep else self.tokenizer.decode(response[a:b])
                        for keep, a, b in segments if a < start)
         return self.tokenizer(self.prompt_text(s) + text)["input_ids"]
+
+    def reply_text(self, ids: list[int]) -> str:
+        """A model turn's text as SGLang replies it (slime sets ``no_stop_trim``): the text ends
+        with the stop string that ended the turn, even where its last token carries more."""
+        text = self.tokenizer.decode(ids, **self.reply_decoding)
+        found = [(text.find(stop), stop) for stop in self.stops if stop in text]
+        if found:
+            at, stop = min(found)
+            return text[:at + len(stop)]
+        return text
 
     def expected_observation(self, turn_text: str, observation: str, cut: bool = False) -> tuple[bool, bool]:
         """Whether ``observation`` is what the function makes of ``turn_text`` (a beginning of it,
@@ -169,7 +187,28 @@ def diagnosis(s, models: dict[int, object], context: list[int], own: bool, a: in
             f"calls {s.weight_versions}")
 
 
-def check_episode(fn: Function, s, models: dict[int, object], seen: dict, tokenized: set[tuple[int, ...]]) -> None:
+def first_difference(a: list[int], b: list[int]) -> str:
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"lengths {len(a)} and {len(b)}, first difference at {at}: {a[at:at + 4]} vs {b[at:at + 4]}"
+
+
+def sent_context(fn: Function, s, segments, turn: int, served: dict[str, list]) -> list[int]:
+    """The input ids the engine was given for model segment ``turn`` (``served``: the plugin's
+    calls, per member, as it replied to them), checked to be what the function's call asks for."""
+    prompt_len = len(s.tokens) - s.response_length
+    _, a, b = segments[turn]
+    output = tuple(s.tokens[prompt_len + a:prompt_len + b])
+    given = {inputs for uid, calls in served.items() if uid.split("/")[0] == str(s.group_index)
+             for inputs, outputs in calls if outputs == output}
+    assert given, f"sample {s.index} turn {turn}: no call of its group replied with the turn's tokens"
+    asked = fn.engine_context(s, segments, turn)
+    assert tuple(asked) in given, (
+        f"sample {s.index} turn {turn}: the engine was not given what the function asked for; "
+        + "; ".join(first_difference(list(g), asked) for g in given))
+    return asked
+
+
+def check_episode(fn: Function, s, models: dict[int, object], seen: dict, served: dict[str, list]) -> None:
     """One trained sample: observations, stops, exact log-probs and versions per model turn."""
     prompt_len = len(s.tokens) - s.response_length
     response = s.tokens[prompt_len:]
@@ -193,7 +232,7 @@ def check_episode(fn: Function, s, models: dict[int, object], seen: dict, tokeni
             at = text.find(stop)
             assert at < 0 or at + len(stop) == len(text), f"sample {s.index}: turn {text!r} runs past {stop!r}"
             seen["resumed_turns_stopped"] += at >= 0 and len(turn_versions) > 1
-        context = fn.engine_context(s, segments, turn, tokenized)
+        context = sent_context(fn, s, segments, turn, served)
         own = context == s.tokens[:prompt_len + a]
         seen["retokenized_turns"] += not own
         for v in turn_versions:
@@ -210,15 +249,16 @@ def check_episode(fn: Function, s, models: dict[int, object], seen: dict, tokeni
 def test_slime_example_function_on_real_engines(real_stack, examples, retrieval, tag_weights, hf_models, tmp_path,
                                                 monkeypatch, name, policy):
     fn = Function(name, examples[name], real_stack.tokenizer, tmp_path)
-    tokenized: set[tuple[int, ...]] = set()  # the ids of every text a call sent, as the plugin tokenized it
-    tokenize = GenerateFunctions.tokenize
+    served: dict[str, list] = {}  # member uid -> (input ids, output ids) of each call the plugin replied to
+    reply = GenerateFunctions.reply
 
-    def recording(self, text: str) -> list[int]:
-        ids = tokenize(self, text)
-        tokenized.add(tuple(ids))
-        return ids
+    def recording(self, call):
+        answer = reply(self, call)
+        served.setdefault(call.episode.member.uid, []).append(
+            (tuple(call.trajectory.prompt_ids), tuple(answer["output_ids"])))
+        return answer
 
-    monkeypatch.setattr(GenerateFunctions, "tokenize", recording)
+    monkeypatch.setattr(GenerateFunctions, "reply", recording)
     weights = [str(tag_weights[k % 2]) for k in range(MAX_STEPS)]
     v0 = real_stack.weight_version() + 1
     version_of = {k: v0 + k for k in range(MAX_STEPS)}
@@ -232,6 +272,7 @@ def test_slime_example_function_on_real_engines(real_stack, examples, retrieval,
     trained: list[int] = []
     indices: set[int] = set()
     m = SlimeRolloutManager(plugin_args(real_stack, tmp_path / "job", **job))
+    fn.set_job(m.manager.args)
     ckpt = tmp_path / "job" / "ckpt"
     restored: set[str] = set()
     try:
@@ -259,7 +300,7 @@ def test_slime_example_function_on_real_engines(real_stack, examples, retrieval,
                 assert s.index not in indices, f"step {step}: sample {s.index} trained twice"
                 indices.add(s.index)
                 assert max(v for v, _ in s.train_metadata[TOKEN_VERSIONS_KEY]) <= version_of[step]
-                check_episode(fn, s, models, seen, tokenized)
+                check_episode(fn, s, models, seen, served)
             trained += [s.group_index for s in samples[::2]]
             if step > RESTART_AFTER:
                 seen["restarted"] += metrics["april/episodes/restarted"]
