@@ -283,6 +283,17 @@ MUTATIONS: list[Mutation] = [
         ),),
         tests=("tests/test_generate_functions.py", "tests/real/test_reply_text_real.py"),
     ),
+    Mutation(
+        name="protected-group-not-due",
+        what="a protected group gets no slack 0: it is resumed first but cut again at the target",
+        edits=(Edit(
+            "april_slime/core/pacing.py",
+            "        if group.uid in self.protected:\n            return 0\n",
+            "",
+        ),),
+        tests=("tests/test_pacing.py",
+               "tests/test_scheduler.py::test_protection_lets_a_long_response_finish_instead_of_starving"),
+    ),
     *_slime_patch_mutations(),
 ]
 

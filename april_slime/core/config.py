@@ -71,7 +71,8 @@ class AprilConfig:
     )
     max_interruptions: int | None = field(default=None, metadata={"help": (
         "Times a group may be suspended at a step's target (aborted with work left, carried over) before it "
-        "is protected: resumed first and run to completion in its next step. Unset: never protected.")})
+        "is protected: resumed first and run to completion in its next step (at most rollout_batch_size "
+        "groups a step; the rest at a later one). Unset: never protected.")})
     resume_priority: str = field(
         default="verl",
         metadata={"help": "Order in which buffered groups are resumed: verl (fewest unfinished samples, "

@@ -65,13 +65,20 @@ def test_copris_at_max_staleness_1_keeps_every_token_within_one_version_by_pacin
 
 def test_protected_long_responses_finish_after_one_interruption(real_stack, tmp_path, long_weights,
                                                                 pushed_every_step):
-    """Weights whose responses run to their 160-token budget, copris with 8 calls in flight for 4
+    """Weights whose responses run to their 160-token budget, copris with 3 calls in flight for 4
     groups a step: the groups still running at every target are cut. With max_interruptions 1 a
     group cut once is protected at its next step and runs to its budget there: every trained
-    sample was interrupted at most once, and some were, and were trained whole."""
+    sample was interrupted at most once, and some were, and were trained whole.
+
+    A step protects at most its batch's worth of groups (the others wait for a later step, and may
+    be cut again meanwhile). copris holds at most ``concurrency + n - 1`` calls in flight or queued
+    (it opens whole groups), so at most that many groups are cut at a target: 3 + 2 - 1 = 4 =
+    BATCH, so every group cut once is protected at its next step, however the machine's speed
+    spreads the calls' progress."""
     max_len = 160
+    concurrency = BATCH - N + 1
     m = SlimeRolloutManager(plugin_args(real_stack, tmp_path, settings={
-        "april_policy": "copris", "april_concurrency": 8, "april_max_interruptions": 1},
+        "april_policy": "copris", "april_concurrency": concurrency, "april_max_interruptions": 1},
         batch=BATCH, n=N, max_len=max_len))
     protected = finished_after_cut = 0
     for step in range(4):
