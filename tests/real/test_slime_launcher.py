@@ -37,7 +37,8 @@ BATCH, N = 4, 2
 # responses end at EOS after 24 tokens on average (the stack's weights), some run for hundreds: at a
 # step's target, requests are still generating, so the partials this tier checks do arise
 LONG_BUDGET = 256
-KILL_BY = 8  # the april job is killed at the first of its checkpoints 1..7 that holds a partial
+KILL_BY = 8  # the april job is killed at the first of its next 7 checkpoints that holds a partial
+KILLS = 3  # kills until one leaves a checkpoint holding a partial (a save can land between check and kill)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +96,28 @@ def check_batches(samples: dict[int, list[dict]], rollouts: range) -> list[int]:
     return trained
 
 
+def buffered_partials(state_dir, rollout_id: int) -> set[int]:
+    """The groups that the plugin's checkpoint of ``rollout_id`` holds with generated tokens."""
+    groups = json.loads((state_dir / f"april_state_{rollout_id}.json").read_text())["buffer"]["groups"]
+    return {int(g["uid"]) for g in groups if any(t["response_ids"] for t in g["trajectories"])}
+
+
+def kill_at_a_partial(job, state_dir, after: int) -> tuple[int, set[int]]:
+    """SIGKILL ``job``'s driver once a checkpoint after rollout ``after`` holds a partial with
+    tokens (made to happen: the long budget); returns the last checkpoint written when the kill
+    landed and its partials (none when the job saved once more in between)."""
+    for rollout_id in range(after + 2, after + 1 + KILL_BY):
+        wait_for(state_dir / f"april_state_{rollout_id}.json", job)
+        if buffered_partials(state_dir, rollout_id):
+            assert job.kill_driver() >= 1, "no train.py process of the job to kill"
+            break
+    else:
+        raise AssertionError(f"no checkpoint of {KILL_BY - 1} rollouts held a partial with tokens:\n{job.tail()}")
+    assert job.wait() != 0, "the job was not killed"
+    last = max(int(p.stem.rsplit("_", 1)[1]) for p in state_dir.glob("april_state_*.json"))
+    return last, buffered_partials(state_dir, last)
+
+
 def resumed_in_a_later_rollout(perf: dict[int, dict]) -> int:
     """Partials aborted at one rollout's target and resumed in a later one, counted by the plugin."""
     return sum(int(perf[r].get("april/resumed_trajectories", 0)) for r in perf if r > min(perf))
@@ -122,37 +145,35 @@ def test_april_with_router_dispatch_killed_and_restarted_from_its_checkpoint(clu
     """april through the router (april_dispatch: router), saving every rollout; the driver is
     SIGKILLed once a saved checkpoint holds partials with tokens, and the launcher restarts the job
     from its last checkpoint: no group is lost or trained twice, and the partials buffered at the
-    kill come back and are trained.
+    kill come back and are trained. A kill that lands just after a save of a checkpoint without
+    partials is restarted and made again (at most ``KILLS`` times).
 
     ``--debug-rollout-only`` writes no Megatron checkpoint, so slime reads ``--load`` as none and
     starts at rollout 0 unless told (``--start-rollout-id``); the plugin's state is written to and
     read from ``april_buffer_dir``. A training job restarts from its Megatron checkpoint instead."""
     state_dir = tmp_path / "april" / "state"
+    # protected after one cut: a partial restored at the restart runs to completion in the restart's
+    # first rollout, however long its response and however slow the machine
     config = write_config(tmp_path / "april.yaml", april_policy="april", april_dispatch="router",
-                          april_buffer_dir=str(state_dir))
+                          april_buffer_dir=str(state_dir), april_max_interruptions=1)
     env = dict(MODE="april", APRIL_CONFIG=config, HF_CHECKPOINT=old_stack.model_path, PROMPT_DATA=prompts,
                ROLLOUT_MAX_RESPONSE_LEN=LONG_BUDGET)
-    # far more rollouts than it gets to run: the kill lands while it runs, however fast the machine
-    first, trained = run_job(cluster, tmp_path, "april", *external(old_stack), NUM_ROLLOUT=1000, **env)
-    # the kill comes once a checkpoint holds a partial with tokens (made to happen: the long budget)
-    partial: set[int] = set()
-    for rollout_id in range(1, KILL_BY):
-        wait_for(state_dir / f"april_state_{rollout_id}.json", first)
-        buffered = json.loads((state_dir / f"april_state_{rollout_id}.json").read_text())["buffer"]["groups"]
-        partial = {int(g["uid"]) for g in buffered if any(t["response_ids"] for t in g["trajectories"])}
+    first, trained, last, partial = None, None, -1, set()
+    for _ in range(KILLS):
+        # far more rollouts than it gets to run: the kill lands while it runs, however fast the machine
+        resume = ("--start-rollout-id", str(last + 1)) if last >= 0 else ()
+        job, trained = run_job(cluster, tmp_path, "april", *external(old_stack), *resume, NUM_ROLLOUT=1000, **env)
+        first = first or job
+        last, partial = kill_at_a_partial(job, state_dir, after=last)
+        # what the killed job handed to training after its last checkpoint is redone from that checkpoint
+        for path in trained.glob("rollout_*.pt"):
+            if int(path.stem.split("_")[1]) > last:
+                path.unlink()
         if partial:
-            assert first.kill_driver() >= 1, "no train.py process of the job to kill"
             break
-    assert partial, f"no checkpoint of rollouts 1..{KILL_BY - 1} held a partial with tokens:\n{first.tail()}"
-    assert first.wait() != 0, "the job was not killed"
-    last = max(int(p.stem.rsplit("_", 1)[1]) for p in state_dir.glob("april_state_*.json"))
-    if last != rollout_id:  # saved again before the kill landed: those partials are what comes back
-        buffered = json.loads((state_dir / f"april_state_{last}.json").read_text())["buffer"]["groups"]
-        partial = {int(g["uid"]) for g in buffered if any(t["response_ids"] for t in g["trajectories"])}
-    # what the killed job handed to training after its last checkpoint is redone from that checkpoint
-    for path in trained.glob("rollout_*.pt"):
-        if int(path.stem.split("_")[1]) > last:
-            path.unlink()
+        # the job saved once more before the kill landed, and that checkpoint held no partial: the
+        # restart is checked all the same, and the job is run and killed again
+    assert partial, f"{KILLS} kills, and none left a checkpoint holding a partial with tokens"
 
     second, _ = run_job(cluster, tmp_path, "april", *external(old_stack), "--start-rollout-id", str(last + 1),
                         NUM_ROLLOUT=last + 4, **env)
