@@ -326,21 +326,26 @@ def _reply_text(ids: list[int], finish: str, matched: str | None, stops: tuple[s
     if finish != "stop" or not ids:
         return text, matched
     keep = bool(params.get("no_stop_trim", False))
-    found = [(text.find(s), s) for s in stops if s and s in text]
+    found = _earliest_stop(text, stops)
     if found:
-        at, stop = min(found)
+        at, stop = found
         return (text[:at + len(stop)] if keep else text[:at]), stop
     return (text if keep else decode(ids[:-1], params)), ids[-1]
+
+
+def _earliest_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """Where the first stop string in ``text`` begins, and which one."""
+    found = [(text.find(s), s) for s in stops if s and s in text]
+    return min(found) if found else None
 
 
 def _first_stop(ids: list[int], stops: tuple[str, ...], params: dict, decode: Decode) -> tuple[int, str] | None:
     """The shortest prefix of ``ids`` whose text holds a stop string (SGLang stops there when the
     call runs in one piece; a segment boundary can hide it from the engine)."""
-    text = decode(ids, params)
-    found = [(text.find(s), s) for s in stops if s and s in text]
+    found = _earliest_stop(decode(ids, params), stops)
     if not found:
         return None
-    stop = min(found)[1]
+    stop = found[1]
     lo, hi = 1, len(ids)
     while lo < hi:  # prefix texts grow with the prefix, so "holds the stop" is monotone
         mid = (lo + hi) // 2
