@@ -849,3 +849,108 @@ async def test_retractions_from_replies_when_loads_lack_them(server):
         assert (await client.loads())[0].retractions == 9
     finally:
         await client.close()
+
+
+async def test_a_call_meeting_a_connection_the_server_closed_goes_again_at_once():
+    """A server that answers a connection's first request with keep-alive, then closes it when the
+    next request arrives on it, without answering (what uvicorn's idle timeout does to a call
+    racing it): the call is sent again at once on a fresh connection, not failed."""
+    from april_slime.core.transport import HttpTransport
+
+    served: list[int] = []  # the index, on its connection, of every request answered
+
+    async def handle(reader, writer):
+        count = 0
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            await reader.readexactly(length)
+            if count:  # a reused connection: dropped without a word
+                writer.close()
+                return
+            served.append(count)
+            count += 1
+            body = b'{"ok": true}'
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    transport = HttpTransport()
+    try:
+        for _ in range(3):  # each call after the first meets the closing connection first
+            assert await transport.request("POST", url, "/generate", {"a": 1}, 5.0) == {"ok": True}
+        assert served == [0, 0, 0]
+    finally:
+        await transport.close()
+        srv.close()
+        await srv.wait_closed()
+
+
+async def test_idle_connections_are_dropped_before_sglang_drops_them():
+    # SGLang's uvicorn closes an idle keep-alive connection after 5 s (SGLANG_TIMEOUT_KEEP_ALIVE);
+    # a client keeping it longer sends calls on connections the server closed ("Server disconnected",
+    # then a retry backoff): every pooled connection must be released sooner.
+    from april_slime.core.transport import KEEPALIVE_S, HttpTransport
+
+    transport = HttpTransport()
+    try:
+        assert transport._get_session().connector._keepalive_timeout == KEEPALIVE_S < 5.0
+    finally:
+        await transport.close()
+
+
+@pytest.mark.parametrize(
+    ("first_error", "sent_again"),
+    [
+        # the close landed while the call was being written on a reused connection: never read
+        ("os", True),
+        # no connection at all (engine down): failed as is, the caller's retry rules decide
+        ("refused", False),
+    ],
+)
+async def test_a_call_that_could_not_be_written_goes_again_only_on_a_stale_connection(first_error, sent_again):
+    import types
+
+    import aiohttp
+    from april_slime.core.transport import HttpTransport
+
+    calls: list[str] = []
+
+    class Reply:
+        status = 200
+
+        async def read(self):
+            return b'{"ok": true}'
+
+    class Request:
+        async def __aenter__(self):
+            calls.append("sent")
+            if len(calls) == 1:
+                if first_error == "os":
+                    raise aiohttp.ClientOSError(None, "Can not write request body")
+                key = types.SimpleNamespace(host="engine", port=80, ssl=None)
+                raise aiohttp.ClientConnectorError(key, OSError(111, "Connection refused"))
+            return Reply()
+
+        async def __aexit__(self, *exc):
+            return False
+
+    class Session:
+        closed = False
+
+        def request(self, *args, **kwargs):
+            return Request()
+
+    transport = HttpTransport()
+    transport._session = Session()
+    if sent_again:
+        assert await transport.request("POST", "http://engine", "/abort_request", {}, 5.0) == {"ok": True}
+        assert calls == ["sent", "sent"]
+    else:
+        with pytest.raises(ConnectionError, match="ClientConnectorError"):
+            await transport.request("POST", "http://engine", "/abort_request", {}, 5.0)
+        assert calls == ["sent"]
+    transport._session = None

@@ -50,6 +50,17 @@ class Transport(Protocol):
     ) -> dict: ...
 
 
+# How long an idle pooled connection is kept for reuse. SGLang's HTTP server (uvicorn) closes an idle
+# connection 5 s after its last reply went out (SGLANG_TIMEOUT_KEEP_ALIVE); aiohttp keeps one 15 s by
+# default after the client read that reply. A call sent in between goes out on a connection the
+# server has closed and fails with "Server disconnected" (then waits out the client's retry
+# backoff): the first refills of a step after a short training phase, a sparse refill. On a busy
+# machine a reply is read a second or more after it was sent, so the client's margin must cover
+# that too; and a call that still meets a closed connection before any reply is sent again at once
+# on a fresh one (``request``).
+KEEPALIVE_S = 2.0
+
+
 class HttpTransport:
     """``Transport`` over aiohttp with one shared session (connection pooling across requests).
 
@@ -64,7 +75,7 @@ class HttpTransport:
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S),
                 # per-request timeouts are passed to every call
                 timeout=aiohttp.ClientTimeout(total=None),
             )
@@ -74,21 +85,34 @@ class HttpTransport:
         self, method: str, url: str, path: str, payload: dict | None, timeout_s: float
     ) -> Any:
         session = self._get_session()
-        try:
-            async with session.request(
-                method,
-                url.rstrip("/") + path,
-                json=payload,
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-            ) as response:
-                raw = await response.read()
-                status = response.status
-        except TimeoutError:
-            raise
-        except aiohttp.ClientError as exc:
-            # ClientConnectorError is already an OSError, but a server that drops the connection
-            # mid-reply raises ServerDisconnectedError, which is not: normalise both.
-            raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
+        for fresh in (False, True):
+            answered = False
+            try:
+                async with session.request(
+                    method,
+                    url.rstrip("/") + path,
+                    json=payload,
+                    timeout=aiohttp.ClientTimeout(total=timeout_s),
+                ) as response:
+                    answered = True
+                    raw = await response.read()
+                    status = response.status
+                break
+            except TimeoutError:
+                raise
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # closed before it answered anything ("Server disconnected", or "Can not write
+                # request body" when the close lands while the call is written): a pooled
+                # connection the server had just dropped as idle (KEEPALIVE_S), which never read
+                # this request. A refused connect is a new connection, not a stale one: no resend.
+                stale = not isinstance(exc, aiohttp.ClientConnectorError)
+                if stale and not answered and not fresh:
+                    continue
+                raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
+            except aiohttp.ClientError as exc:
+                # ClientConnectorError is already an OSError, but a server that drops the connection
+                # mid-reply raises ServerDisconnectedError, which is not: normalise both.
+                raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
         if not 200 <= status < 300:
             try:
                 body: Any = decode_json(raw)
