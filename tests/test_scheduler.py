@@ -2,6 +2,7 @@
 aborts and failures), then against the SGLang-protocol emulator over real HTTP on loopback."""
 
 import asyncio
+import collections
 import functools
 import hashlib
 import random
@@ -240,7 +241,7 @@ async def test_each_policy_returns_exact_batch_and_never_repeats(policy):
 
 @virtual_clock
 async def test_copris_keeps_exactly_n_prime_in_flight_and_resumes_partials():
-    sched, client, buffer = make("copris", batch=3, n=2, concurrency=5)
+    sched, client, buffer = make("copris", batch=3, n=2, concurrency=5, refill_batch=1)
     prompts = Prompts(2, max_new_tokens=50)
     returned, saw_resume = [], False
     for step in range(4):
@@ -269,6 +270,54 @@ async def test_copris_keeps_exactly_n_prime_in_flight_and_resumes_partials():
             assert res.metrics["april/resumed_groups"] >= 1
         client.version += 1
     assert saw_resume, "no returned sample spanned two policy versions"
+
+
+@virtual_clock
+async def test_copris_refills_in_batches_of_refill_batch():
+    # A refill waits until refill_batch of the N' slots are free, so the engines prefill several new
+    # requests in one step instead of one per completion; conservation and the tokens are unchanged.
+    sched, client, buffer = make("copris", batch=3, n=2, concurrency=6, refill_batch=3)
+    sent_at: list[float] = []
+    generate = client.generate
+
+    async def timed_generate(*args, **kwargs):
+        sent_at.append(asyncio.get_running_loop().time())
+        return await generate(*args, **kwargs)
+
+    client.generate = timed_generate
+    prompts = Prompts(2, max_new_tokens=50)
+    returned, batched = [], 0
+    for step in range(4):
+        sent_at.clear()
+        res = await sched.run_step(prompts, current_version=step)
+        working = [p for p in sched.last_timeline if p.work_remaining]
+        # between two refills at most refill_batch - 1 slots stand empty
+        assert working and all(4 <= p.in_flight <= 6 for p in working)
+        batched += sum(p.in_flight < 6 for p in working)
+        bursts = sorted(collections.Counter(sent_at).items())
+        assert all(n >= 3 for _, n in bursts[1:]), bursts  # after the first fill: never fewer than 3 at once
+        returned += [g.uid for g in res.groups]
+        check_conservation(prompts, returned, buffer)
+        check_tokens_delivered(client, [*res.groups, *buffer.groups()])
+        client.version += 1
+    assert batched, "no refill ever waited for a batch"
+
+
+def test_copris_refill_batch_never_waits_with_nothing_in_flight():
+    from april_slime.core.policies import CoprisPolicy
+
+    class View:
+        def __init__(self, in_flight, queued):
+            self.calls_in_flight, self.calls_queued = in_flight, queued
+            self.target, self.accepted_groups, self.episodes_live, self.groups_to_resume = 4, 0, 0, 0
+
+    policy = CoprisPolicy(8, 2, refill_batch=4)
+    assert policy.calls_to_submit(View(0, 2)) == 8  # nothing runs: whatever is queued goes
+    assert policy.calls_to_submit(View(5, 9)) == 0  # 3 free < 4: wait for one more completion
+    assert policy.calls_to_submit(View(4, 9)) == 4
+    assert CoprisPolicy(3, 2, refill_batch=8).calls_to_submit(View(0, 9)) == 3  # a batch above N' is N'
+    assert CoprisPolicy(3, 2, refill_batch=8).calls_to_submit(View(1, 9)) == 0
+    assert CoprisPolicy(8, 2).calls_to_submit(View(7, 9)) == 1  # refill_batch 1: CoPRIS as published
 
 
 @virtual_clock
@@ -398,8 +447,9 @@ def starving_client():
 
 
 async def run_protection(max_interruptions, steps=8):
+    # every completion refilled at once (refill_batch 1): the refills that starve the long responses
     sched, client, buffer = make("copris", client=starving_client(), batch=3, n=2, concurrency=8,
-                                 max_interruptions=max_interruptions)
+                                 max_interruptions=max_interruptions, refill_batch=1)
     prompts = Prompts(2, max_new_tokens=400)
     returned, longest, protected, metrics = [], 0, 0, []
     for step in range(steps):
@@ -587,7 +637,7 @@ async def test_adaptive_controller_changes_concurrency():
     ctrl = Controller()
     client = FakeClient(token_time=0.004, long_frac=0.5)
     sched, _, buffer = make("copris", client=client, batch=6, n=2, controller=ctrl,
-                            load_poll_interval_s=0.02)
+                            load_poll_interval_s=0.02, refill_batch=1)
     res = await sched.run_step(Prompts(2), current_version=0)
     limits = [p.limit for p in sched.last_timeline]
     assert limits[0] == 4 and 8 in limits and limits[-1] == 3
@@ -630,6 +680,40 @@ def test_cancelled_step_with_requests_in_flight_puts_every_group_back():
         await asyncio.sleep(10)  # the detached best-effort aborts end on their own
         res = await bounded(sched, prompts, 0)  # and the scheduler still works
         check_conservation(prompts, [g.uid for g in res.groups], buffer)
+
+    run_virtual(main())
+
+
+def test_the_drain_ends_when_less_than_the_clock_resolution_is_left():
+    """asyncio runs a timer within its clock resolution (1 ns) as due, so a wait for the last
+    sliver of the drain deadline returns without the clock moving; on the benchmark's virtual clock
+    nothing else moves it, and the drain used to spin there (1.3 M iterations in one step, seen
+    under fault injection). A drain that reaches such a sliver with a call the engine never answers
+    must end, cancel that call and buffer its group."""
+    from april_slime.core import scheduler as scheduler_module
+
+    waits = 0
+    next_events = scheduler_module._Step._next_events
+
+    async def counted(self, timeout=None):
+        nonlocal waits
+        waits += 1
+        assert waits < 1000, "the drain spins without the clock moving"
+        return await next_events(self, timeout)
+
+    async def main():
+        client = FakeClient(token_time=0.01, short=(5, 5), long=(300, 300), long_frac=0.5)
+        client.abort_hangs = set(client.engine_urls)  # the engines never answer an abort
+        sched, _, buffer = make("april", client=client, batch=1, n=2, over_sampling_factor=4.0)
+        # what is left of the deadline when the drain starts: a sliver below the clock resolution
+        sched.drain_timeout_s = 4e-10
+        scheduler_module._Step._next_events = counted
+        try:
+            result = await sched.run_step(Prompts(2, max_new_tokens=300), current_version=0)
+        finally:
+            scheduler_module._Step._next_events = next_events
+        assert result.metrics["april/drain_cancelled_calls"] >= 1  # cut at the deadline, not lost
+        check_settled(client, buffer)
 
     run_virtual(main())
 
@@ -1010,7 +1094,8 @@ async def test_emulator_policies_exact_batches_and_reference_streams(policy):
 
 async def _policies_exact_batches_and_reference_streams(running, client, policy):
     model = running.cluster.model
-    sched, _, buffer = make(policy, client=client, batch=4, n=2, concurrency=6)
+    refill = {"refill_batch": 1} if policy == "copris" else {}  # N' exactly, every completion refilled
+    sched, _, buffer = make(policy, client=client, batch=4, n=2, concurrency=6, **refill)
     prompts = EmuPrompts(2, max_new_tokens=96)
     returned, multi_version, partials = [], 0, 0
     for step in range(3):

@@ -45,13 +45,21 @@ class AprilConfig:
     policy: str = field(
         default="copris",
         metadata={"help": "Rollout policy: sync (whole batch, no abort), april (over-sampled batches, "
-                          "abort at target), copris (fixed number of requests in flight, refilled on "
-                          "every completion, abort at target)."},
+                          "abort at target), copris (fixed number of requests in flight, refilled as they "
+                          "complete, april_refill_batch at a time; abort at target)."},
     )
     concurrency: int | None = field(
         default=None,
         metadata={"help": "copris: requests (samples) held in flight across all engines, N'. "
                           "Default: rollout_batch_size * n_samples_per_prompt."},
+    )
+    refill_batch: int | None = field(
+        default=None,
+        metadata={"help": "copris: calls submitted together: a refill waits until this many of the N' "
+                          "slots are free (never while nothing is in flight), so an engine runs one "
+                          "prefill step for several new requests instead of one per completion, each "
+                          "stalling its decoding. Unset: n_samples_per_prompt (a group's worth); 1: every "
+                          "completion refilled at once (CoPRIS as published)."},
     )
     over_sampling_factor: float = field(
         default=2.0,
@@ -183,6 +191,8 @@ class AprilConfig:
         _choice("dispatch", self.dispatch, DISPATCH_MODES)
         if self.concurrency is not None and self.concurrency < 1:
             _fail("concurrency", f"must be >= 1, got {self.concurrency}")
+        if self.refill_batch is not None and self.refill_batch < 1:
+            _fail("refill_batch", f"must be >= 1 or unset, got {self.refill_batch}")
         if not (math.isfinite(self.over_sampling_factor) and self.over_sampling_factor >= 1.0):
             _fail("over_sampling_factor", f"must be a finite number >= 1, got {self.over_sampling_factor}")
         _check_staleness(self)
@@ -217,6 +227,9 @@ class AprilConfig:
 
     def resolved_concurrency(self, rollout_batch_size: int, n_samples_per_prompt: int) -> int:
         return self.concurrency or rollout_batch_size * n_samples_per_prompt
+
+    def resolved_refill_batch(self, n_samples_per_prompt: int) -> int:
+        return self.refill_batch or n_samples_per_prompt
 
 
 def _check_against_slime(c: AprilConfig, args: Any) -> None:

@@ -6,7 +6,7 @@ settles:
 
 * ``groups_to_open(step)``: how many more groups to open now (0: none); asked again after every
   batch it opened, until the answer is 0 or nothing is left to open;
-* ``may_submit(step)``: whether one more queued call may go in flight now;
+* ``calls_to_submit(step)``: how many of the queued calls may go in flight now;
 * ``in_flight_limit``: the limit on calls in flight (``None``: none), as the timeline and the
   ``concurrency_limit`` metric report it;
 * ``watches_loads`` / ``observe(loads, now)`` / ``set_limit(n)``: whether the step polls the engine
@@ -29,6 +29,12 @@ same limit as a trajectory's. Every policy aborts what still runs once the targe
   prompts. N' is ``config.resolved_concurrency(...)`` or, with a controller, the controller's
   latest target (polled from the engine loads in a background task; shrinking only stops
   refilling until the count drops). Aborts at target.
+  Refills go out in batches of at least ``refill_batch`` calls (``AprilConfig.refill_batch``): an
+  engine that takes a new request runs a prefill step for it before its next decode step (SGLang
+  schedules prefill first and does not mix the two by default), which stalls every request it is
+  decoding. One completion refilled at a time pays that stall per completion; waiting until a few
+  slots are free pays it once for all of them, and the calls of one group then share their prompt's
+  prefill. With nothing in flight a refill never waits.
 
 A policy is held by the scheduler across steps (copris' N' carries over).
 """
@@ -91,9 +97,9 @@ class Policy:
     def in_flight_limit(self) -> int | None:
         return None
 
-    def may_submit(self, step: StepView) -> bool:
+    def calls_to_submit(self, step: StepView) -> int:
         limit = self.in_flight_limit
-        return limit is None or step.calls_in_flight < limit
+        return step.calls_queued if limit is None else max(0, limit - step.calls_in_flight)
 
     @property
     def watches_loads(self) -> bool:
@@ -127,7 +133,8 @@ class CoprisPolicy(Policy):
     name = "copris"
 
     def __init__(self, concurrency: int, n_samples_per_prompt: int,
-                 controller: ConcurrencyController | None = None, max_live_episodes: int | None = None):
+                 controller: ConcurrencyController | None = None, max_live_episodes: int | None = None,
+                 refill_batch: int = 1):
         if concurrency < n_samples_per_prompt:
             logger.warning("copris concurrency %d < n_samples_per_prompt %d: a group can never be "
                            "in flight as a whole", concurrency, n_samples_per_prompt)
@@ -135,9 +142,19 @@ class CoprisPolicy(Policy):
         self.n_samples_per_prompt = n_samples_per_prompt
         self.controller = controller
         self.max_live_episodes = max_live_episodes
+        self.refill_batch = max(1, refill_batch)
+
+    def calls_to_submit(self, step: StepView) -> int:
+        limit = self.in_flight_limit
+        free = max(0, limit - step.calls_in_flight)
+        # a batch smaller than refill_batch waits for more slots, unless nothing would run meanwhile
+        # (or the limit itself is smaller than a batch)
+        if free < min(self.refill_batch, limit) and step.calls_in_flight > 0:
+            return 0
+        return free
 
     def groups_to_open(self, step: StepView) -> int:
-        free = self.concurrency - step.calls_in_flight - step.calls_queued
+        free = self.in_flight_limit - step.calls_in_flight - step.calls_queued
         if free <= 0 or step.accepted_groups >= step.target:
             return 0
         groups = math.ceil(free / self.n_samples_per_prompt)
@@ -175,4 +192,5 @@ def make_policy(config: AprilConfig, *, n_samples_per_prompt: int, over_sampling
         return SyncPolicy()
     if config.policy == "april":
         return AprilPolicy(over_sampling_groups)
-    return CoprisPolicy(concurrency, n_samples_per_prompt, controller, config.max_live_episodes)
+    return CoprisPolicy(concurrency, n_samples_per_prompt, controller, config.max_live_episodes,
+                        config.resolved_refill_batch(n_samples_per_prompt))
