@@ -11,7 +11,7 @@ from april_workbench.bench.calibrate import main as calibrate_main
 from april_workbench.emulator import EmulatorCluster, EngineConfig, TimeModel, run_virtual
 
 TRUTH = TimeModel(decode_t0=0.03, decode_per_request=0.004, decode_per_kv_token=4e-6,
-                  prefill_t0=0.02, prefill_per_token=2e-5)
+                  prefill_t0=0.02, prefill_per_token=2e-5, prefill_per_request=0.003)
 
 
 def test_calibrate_recovers_the_emulated_engine_and_writes_a_loadable_spec():
@@ -38,7 +38,8 @@ def test_calibrate_recovers_the_emulated_engine_and_writes_a_loadable_spec():
                        decode_per_kv_token=m["decode_per_kv_token"])
     for batch, kv in [(1, 100), (4, 2_000), (8, 4_000), (16, 8_000)]:
         assert fitted.decode_step(batch, kv) == pytest.approx(TRUTH.decode_step(batch, kv), rel=1e-3)
-    for key in ("decode_t0", "decode_per_request", "decode_per_kv_token"):
+    for key in ("decode_t0", "decode_per_request", "decode_per_kv_token", "prefill_t0", "prefill_per_request",
+                "prefill_per_token"):
         assert m[key] == pytest.approx(getattr(TRUTH, key), rel=1e-3), key
     assert m["decode_fit"]["max_relative_error"] < 1e-9
     assert 0 <= m["abort_latency_s"] < 0.5
@@ -46,12 +47,45 @@ def test_calibrate_recovers_the_emulated_engine_and_writes_a_loadable_spec():
     assert spec.kv_capacity() == 40_000 and spec.num_engines == 2
     tm = spec.time_model()
     assert tm.decode_t0 == m["decode_t0"] and tm.decode_flops_per_request == 0  # measured: no roofline
+    assert tm.prefill_per_request == m["prefill_per_request"]
     assert tm.prefill_per_token_pair == m["prefill_per_token_pair"]
     # the bench runs on it
     w = Workload(name="t", length="short", max_response_len=64, prompt_len=16, rollout_batch_size=4,
                  n_samples_per_prompt=2, steps=2, warmup_steps=1, policies=("sync",))
     result = run_benchmark(w, spec)  # its own (virtual) event loop
     assert result.summaries["sync"]["throughput_tokens_per_s"] > 0
+
+
+def test_concurrent_calibration_runs_every_engine_at_once():
+    """``concurrent``: each grid point on every engine behind the router at the same time (engines
+    sharing a machine's cores slow each other; the emulator's do not, so the law is the same)."""
+    seen: set[str] = set()
+
+    async def run():
+        cluster = EmulatorCluster(2, engine_config=EngineConfig(
+            time=TRUTH, kv_capacity_tokens=40_000, max_running_requests=64))
+        await cluster.start()
+        inner = cluster.transport()
+
+        class Watch:
+            async def request(self, method, url, path, payload, timeout_s):
+                if path == "/generate":
+                    seen.add(url)
+                return await inner.request(method, url, path, payload, timeout_s)
+
+            async def close(self):
+                await inner.close()
+
+        try:
+            return await measure(cluster.router_url, batches=(1, 4, 8), contexts=(64, 512), decode_tokens=12,
+                                 prefill_lengths=(64, 1024), repeats=1, timeout_s=30, transport=Watch(),
+                                 concurrent=True)
+        finally:
+            await cluster.close()
+
+    m = run_virtual(run())
+    assert m["concurrent"] is True and len(seen) == 2
+    assert m["decode_per_request"] == pytest.approx(TRUTH.decode_per_request, rel=1e-3)
 
 
 def test_calibrate_cli_names_bad_input(capsys):

@@ -20,6 +20,19 @@ def steps(buffer, age):
             for i, (b, a) in enumerate(zip(buffer, age))]
 
 
+def test_buffer_age_reads_version_runs_as_version_and_count():
+    from april_slime.core.types import Group, Trajectory
+    from april_workbench.bench.runner import _buffer_age
+
+    t = Trajectory(uid="p/0", group_uid="p", index_in_group=0, prompt_ids=[1, 2, 3, 4], max_new_tokens=10_000,
+                   sampling_seed=0)
+    t.append([5] * 5000, [-1.0] * 5000, 7)  # 5000 tokens of version 7, then 3000 of version 8
+    t.append([5] * 3000, [-1.0] * 3000, 8)
+    group = Group(uid="p", prompt_ids=[1, 2, 3, 4], trajectories=[t], created_version=7)
+    # once version 9 is live: 5000 tokens 2 versions old, 3000 one version old
+    assert _buffer_age([group], next_version=9) == (8000, (5000 * 2 + 3000 * 1) / 8000)
+
+
 def test_warmup_ends_where_the_buffer_stops_filling():
     ramp = [0, 4e4, 8e4, 1.2e5, 1.6e5, 2e5, 2.3e5, 2.5e5]
     flat = [2.5e5 + (7e3 if i % 2 else -7e3) for i in range(22)]

@@ -12,8 +12,18 @@ What it measures, on one engine (a router's first worker, from ``GET /workers``)
   worst relative error on the grid and its extrapolation error (the point of most KV left out of a
   second fit and predicted by it), and the largest batch and KV the grid reached, so a bench run
   beyond them reads as the extrapolation it is;
-* prefill time over prompt lengths (one request, one token): ``prefill_t0 + prefill_per_token n
-  + prefill_per_token_pair n (n + 1) / 2``;
+* prefill time over prompt lengths (one request, one token) and over batches of short requests
+  (``prefill_batches`` requests of ``PREFILL_BATCH_TOKENS`` tokens, one token each):
+  ``prefill_t0 + prefill_per_request r + prefill_per_token n + prefill_per_token_pair n (n + 1) / 2``
+  for ``r`` requests of ``n`` tokens in all. ``prefill_per_request`` is what a request costs the
+  engine beyond its tokens, its way in and out included (HTTP, tokenizer manager, detokenizer):
+  on a GPU little, on engines sharing a machine's cores (the local CPU stack) a real share of a
+  step. SGLang's prefill samples a request's first token; the emulator's first decode step does, so
+  each prefill point is fitted less one decode step of its batch (what the emulator adds back);
+* the transit: each generate's wall time less the engine's own ``e2e_latency`` (SGLang reports it),
+  the median over the decode grid's calls (HTTP and the engine's front end while batches run), which
+  the emulated transport adds to every generate and abort; each prefill point is fitted less its
+  own calls' transit, the abort latency less the grid's;
 * KV capacity and the running-request limit from ``/v1/loads`` and ``/server_info``, and the GPUs
   per engine (tensor x pipeline x data parallel size from ``/server_info``, or ``--gpus-per-engine``):
   the training phase of a spec runs on every GPU of the job;
@@ -60,6 +70,8 @@ class _Engine:
         self.timeout_s = timeout_s
         self._own_transport = transport is None
         self.transport: Transport = HttpTransport() if transport is None else transport
+        # each generate's wall time less the engine's own e2e_latency, where the engine reports one
+        self.transits: list[float] = []
 
     async def close(self) -> None:
         if self._own_transport:
@@ -84,9 +96,14 @@ class _Engine:
         body = {"input_ids": ids, "rid": rid or uuid.uuid4().hex,
                 "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True,
                                     "temperature": 1.0}}
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
         reply = await self.post("/generate", body)
         if not isinstance(reply, dict) or not isinstance(reply.get("meta_info"), dict):
             raise CalibrationError(f"/generate on {self.url}: malformed reply {str(reply)[:200]}")
+        engine_s = reply["meta_info"].get("e2e_latency")
+        if isinstance(engine_s, (int, float)) and not isinstance(engine_s, bool):
+            self.transits.append(max(0.0, loop.time() - sent - float(engine_s)))
         return reply
 
     async def batch_time(self, batch: int, prompt_len: int, max_new_tokens: int) -> float:
@@ -112,6 +129,7 @@ class _Engine:
 
 
 MAX_TOKEN_GROWTH = 8  # a point whose steps come out free is measured again with up to 8 x the tokens
+PREFILL_BATCH_TOKENS = 32  # the prompt of each request of a prefill batch point
 
 
 def plan_grid(batches: Sequence[int] | None, contexts: Sequence[int] | None, *, capacity: int,
@@ -157,18 +175,23 @@ def fit_report(rows: Sequence[Sequence[float]], y: Sequence[float]) -> dict[str,
 
 async def _engine_url(url: str, timeout_s: float, transport: Transport | None = None) -> tuple[str, int]:
     """The engine to measure and how many engines there are: a router's first worker, or ``url``."""
+    urls = await _engine_urls(url, timeout_s, transport)
+    return urls[0], len(urls)
+
+
+async def _engine_urls(url: str, timeout_s: float, transport: Transport | None = None) -> list[str]:
+    """A router's workers, or ``url`` itself."""
     probe = _Engine(url, timeout_s, transport)
     try:
         try:
             workers = await probe.get("/workers")
         except CalibrationError:
-            return url.rstrip("/"), 1
+            return [url.rstrip("/")]
         # sglang-router 0.3: {"workers": [{"url": ...}]}; older routers: {"urls": [...]}
         listed = workers.get("workers") or workers.get("urls") if isinstance(workers, dict) else None
         if isinstance(listed, list) and listed:
-            urls = [w["url"] if isinstance(w, dict) else str(w) for w in listed]
-            return urls[0].rstrip("/"), len(urls)
-        return url.rstrip("/"), 1
+            return [(w["url"] if isinstance(w, dict) else str(w)).rstrip("/") for w in listed]
+        return [url.rstrip("/")]
     finally:
         await probe.close()
 
@@ -224,11 +247,23 @@ def _gpus_per_engine(info: Any) -> int | None:
 
 async def measure(url: str, *, batches: Sequence[int] | None = None, contexts: Sequence[int] | None = None,
                   decode_tokens: int = 16, prefill_lengths: Sequence[int] = (64, 512, 2048),
-                  repeats: int = 2, timeout_s: float = 120.0, transport: Transport | None = None) -> dict[str, Any]:
+                  prefill_batches: Sequence[int] = (8, 32), repeats: int = 2, timeout_s: float = 120.0,
+                  transport: Transport | None = None, concurrent: bool = False) -> dict[str, Any]:
     """Measure the engine behind ``url`` (a router or an engine); ``transport``: how to reach it
-    (default HTTP)."""
-    engine_url, num_engines = await _engine_url(url, timeout_s, transport)
+    (default HTTP). ``concurrent``: every engine behind the router runs each grid point at the same
+    time and the times are their mean: an engine as it runs while the others are busy too, which
+    differs from one engine alone where engines share a machine's cores (the local CPU stack)."""
+    urls = await _engine_urls(url, timeout_s, transport)
+    engine_url, num_engines = urls[0], len(urls)
     engine = _Engine(engine_url, timeout_s, transport)
+    others = [_Engine(u, timeout_s, transport) for u in urls[1:]] if concurrent else []
+
+    async def timed(batch: int, prompt_len: int, new: int) -> float:
+        if not others:
+            return await engine.batch_time(batch, prompt_len, new)
+        times = await asyncio.gather(*(e.batch_time(batch, prompt_len, new) for e in (engine, *others)))
+        return float(np.mean(times))
+
     try:
         loads = await engine.get("/v1/loads")
         info = await _optional(engine, "/server_info", "/get_server_info")
@@ -254,7 +289,7 @@ async def measure(url: str, *, batches: Sequence[int] | None = None, contexts: S
         await engine.generate(16, 2)  # warm-up: first requests pay one-off costs
 
         async def fastest(batch: int, prompt_len: int, new: int) -> float:
-            return min([await engine.batch_time(batch, prompt_len, new) for _ in range(repeats)])
+            return min([await timed(batch, prompt_len, new) for _ in range(repeats)])
 
         decode_rows, decode_y, grid = [], [], []
         for batch, context in points:
@@ -270,8 +305,7 @@ async def measure(url: str, *, batches: Sequence[int] | None = None, contexts: S
                 short = max(2, tokens // 3)
                 pairs = []
                 for _ in range(repeats):
-                    pairs.append((await engine.batch_time(batch, context, tokens),
-                                  await engine.batch_time(batch, context, short)))
+                    pairs.append((await timed(batch, context, tokens), await timed(batch, context, short)))
                 difference = float(np.median([a - b for a, b in pairs]))
                 if difference > 0 or tokens >= MAX_TOKEN_GROWTH * decode_tokens:
                     break
@@ -288,13 +322,24 @@ async def measure(url: str, *, batches: Sequence[int] | None = None, contexts: S
                          "short_tokens": short, "time_full_s": full, "time_short_s": first,
                          "decode_step_s": step, "kv_tokens": kv})
         t0, per_request, per_kv = _fit(decode_rows, decode_y)
+        # the round trip outside the engine, as it is while batches run (the decode grid's calls)
+        grid_transits = [x for e in (engine, *others) for x in e.transits]
+        transit = float(np.median(grid_transits)) if grid_transits else 0.0
         prefill_rows, prefill_y, prefill_grid = [], [], []
-        for n in prefill_lengths:
-            t = await fastest(1, n, 1)
-            prefill_rows.append([1.0, n, n * (n + 1) / 2.0])
-            prefill_y.append(t)
-            prefill_grid.append({"tokens": n, "time_s": t})
-        p0, p_tok, p_pair = _fit(prefill_rows, prefill_y)
+        shapes = [(1, n) for n in prefill_lengths] + [(r, PREFILL_BATCH_TOKENS) for r in prefill_batches if r > 1]
+        for requests, n in shapes:
+            seen = len(engine.transits)
+            t = await fastest(requests, n, 1)
+            # the engine's part of it: less the point's own round trips (the emulated transport adds
+            # the transit back) and, since SGLang's prefill samples the first token and the
+            # emulator's first decode step does, less one decode step of the batch
+            point_transit = float(np.median(engine.transits[seen:])) if engine.transits[seen:] else 0.0
+            step = t0 + per_request * requests + per_kv * requests * (n + 1)
+            prefill_rows.append([1.0, requests, requests * n, requests * n * (n + 1) / 2.0])
+            prefill_y.append(t - step - point_transit)
+            prefill_grid.append({"requests": requests, "tokens": n, "time_s": t, "decode_step_s": step,
+                                 "transit_s": point_transit})
+        p0, p_req, p_tok, p_pair = _fit(prefill_rows, prefill_y)
 
         # abort latency: a long request, aborted by rid once the engine reports it running
         rid = "calibrate-abort-" + uuid.uuid4().hex
@@ -312,17 +357,19 @@ async def measure(url: str, *, batches: Sequence[int] | None = None, contexts: S
         if finish.get("type") != "abort":
             raise CalibrationError(f"abort of {rid} on {engine_url} did not abort it: {finish}")
     finally:
-        await engine.close()
+        for e in (engine, *others):
+            await e.close()
     if t0 <= 0 and per_request <= 0:
         raise CalibrationError("decode steps measured as free: the grid is too small for this engine")
     return {
         "engine_url": engine_url, "num_engines": num_engines, "gpus_per_engine": _gpus_per_engine(info),
+        "concurrent": bool(others),
         "model_path": model.get("model_path") if isinstance(model, dict) else None,
         "kv_capacity_tokens": capacity, "max_running_requests": max_running,
         "decode_t0": float(t0), "decode_per_request": float(per_request),
-        "decode_per_kv_token": float(per_kv), "prefill_t0": float(p0),
+        "decode_per_kv_token": float(per_kv), "prefill_t0": float(p0), "prefill_per_request": float(p_req),
         "prefill_per_token": float(p_tok), "prefill_per_token_pair": float(p_pair),
-        "abort_latency_s": abort_latency, "decode_grid": grid, "prefill_grid": prefill_grid,
+        "abort_latency_s": abort_latency, "transit_s": transit, "decode_grid": grid, "prefill_grid": prefill_grid,
         "decode_fit": fit_report(decode_rows, decode_y),
         "largest_batch": max(b for b, _ in points), "largest_kv_tokens": max(r[2] for r in decode_rows),
     }
@@ -343,7 +390,11 @@ def engine_spec(m: dict[str, Any], base_preset: str, name: str | None = None,
         "decode_per_kv_token": m["decode_per_kv_token"], "prefill_t0": m["prefill_t0"],
         "prefill_per_token": m["prefill_per_token"],
         "prefill_per_token_pair": m["prefill_per_token_pair"],
-        "kv_capacity_tokens": int(m["kv_capacity_tokens"]), "abort_latency_s": m["abort_latency_s"],
+        "prefill_per_request": m.get("prefill_per_request", 0.0),
+        "kv_capacity_tokens": int(m["kv_capacity_tokens"]),
+        # the abort's reply crosses the transit the emulated transport adds on its own
+        "abort_latency_s": max(0.0, m["abort_latency_s"] - m.get("transit_s", 0.0)),
+        "transit_s": m.get("transit_s", 0.0),
         # measured steps already are what the engine does at each batch, graphs or not
         "cuda_graph_max_bs": 0, "enforce_eager": False,
         "source": f"april-slime calibrate {m['engine_url']} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
@@ -416,6 +467,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs each engine runs on (default: tp x pp x dp from /server_info, else the base preset's)")
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens decoded per grid point (>= 6)")
     p.add_argument("--prefill-lengths", default="64,512,2048", help="prefill grid prompt lengths")
+    p.add_argument("--prefill-batches", default="8,32",
+                   help=f"prefill grid batch sizes (requests of {PREFILL_BATCH_TOKENS} tokens at once)")
+    p.add_argument("--concurrent", action="store_true",
+                   help="run every grid point on every engine behind the router at once (engines that share "
+                        "a machine's cores, as on the local CPU stack); default: the first engine alone")
     p.add_argument("--repeats", type=int, default=3,
                    help="tries per point (decode: the median difference is kept; prefill: the fastest)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP call")
@@ -438,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         batches = None if args.batches == "auto" else _ints(args.batches, "batches", 1)
         contexts = None if args.contexts == "auto" else _ints(args.contexts, "contexts", 1)
         prefill = _ints(args.prefill_lengths, "prefill-lengths", 1)
+        prefill_batches = _ints(args.prefill_batches, "prefill-batches", 1)
         if args.decode_tokens < 6 or args.repeats < 1 or not args.timeout > 0:
             raise ValueError("--decode-tokens must be >= 6, --repeats >= 1, --timeout > 0")
         if args.gpus_per_engine is not None and args.gpus_per_engine < 1:
@@ -449,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("the prefill grid needs >= 2 lengths")
         m = asyncio.run(measure(args.url, batches=batches, contexts=contexts,
                                 decode_tokens=args.decode_tokens, prefill_lengths=prefill,
-                                repeats=args.repeats, timeout_s=args.timeout))
+                                prefill_batches=prefill_batches, repeats=args.repeats, timeout_s=args.timeout,
+                                concurrent=args.concurrent))
     except (ValueError, CalibrationError) as exc:
         print(f"april-slime calibrate: {exc}", file=sys.stderr)
         return 2
@@ -463,8 +521,9 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     print(f"april-slime calibrate: {m['engine_url']}: decode {m['decode_t0'] * 1e3:.2f} ms "
           f"+ {m['decode_per_request'] * 1e6:.1f} us/request + {m['decode_per_kv_token'] * 1e9:.2f} "
-          f"ns/KV token; prefill {m['prefill_t0'] * 1e3:.1f} ms + {m['prefill_per_token'] * 1e6:.1f} "
-          f"us/token; KV {m['kv_capacity_tokens']:,} tokens; abort {m['abort_latency_s'] * 1e3:.0f} ms; "
+          f"ns/KV token; prefill {m['prefill_t0'] * 1e3:.1f} ms + {m['prefill_per_request'] * 1e3:.2f} ms/request "
+          f"+ {m['prefill_per_token'] * 1e6:.1f} us/token; KV {m['kv_capacity_tokens']:,} tokens; "
+          f"abort {m['abort_latency_s'] * 1e3:.0f} ms; transit {m['transit_s'] * 1e3:.1f} ms; "
           f"{spec['gpus_per_engine']} GPU(s) per engine", file=sys.stderr)
     fit = m["decode_fit"]
     extrapolation = (f", {fit['extrapolation_relative_error']:.1%} at {fit['extrapolated_point']:,.0f} KV tokens "

@@ -86,6 +86,7 @@ def _policy_config(policy: str, workload: Workload, concurrency: int | None,
         "policy": "copris" if policy.startswith("copris") else "sync" if policy == "sync-split" else policy,
         "over_sampling_factor": over_sampling_factor,
         "max_staleness": workload.max_staleness,
+        "refill_batch": workload.refill_batch,
     }
     if policy == "sync-oversample":
         # slime's baseline under dynamic sampling (APRIL's DAPO arm): over-sample, abort at the
@@ -117,12 +118,9 @@ def _buffer_age(groups: Sequence[Group], next_version: int) -> tuple[int, float]
     age_sum = 0.0
     for group in groups:
         for t in group.trajectories:
-            n = t.response_length
-            runs = t.version_runs
-            for i, (start, version) in enumerate(runs):
-                end = runs[i + 1][0] if i + 1 < len(runs) else n
-                tokens += end - start
-                age_sum += (end - start) * (next_version - version)
+            for version, count in t.version_runs:  # runs of [version, token count]
+                tokens += count
+                age_sum += count * (next_version - version)
     return tokens, (age_sum / tokens if tokens else 0.0)
 
 
@@ -222,7 +220,7 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
             # Replies are built afresh per call, so the JSON round trip that guards against
             # aliasing buys nothing here and would dominate the run time; the replies' tokens stay
             # arrays (the same values as the wire form, without a Python object per token).
-            transport = cluster.transport(token_arrays=token_arrays)
+            transport = cluster.transport(token_arrays=token_arrays, transit_s=spec.transit_s)
         if policy == "sync-split":
             transport = SplitDispatch(transport, cluster.engine_urls, workload.rollout_batch_size)
         # Virtual time: an emulated hour passes in a moment, so the client timeout must not be

@@ -87,6 +87,9 @@ class EngineSpec:
     eager_step_extra_s: float = 2e-3
     enforce_eager: bool = False  # no CUDA graphs at all: every decode step pays eager_step_extra_s
     abort_latency_s: float = 0.02
+    # a generate's round trip outside the engine's own time (HTTP, the engine's front end), which
+    # the emulated transport adds (half each way) where a spec measured it; 0 in the derived presets
+    transit_s: float = 0.0
     # ---- training phase (colocated: the engines are idle meanwhile)
     train_s_per_token: float | None = None  # pinned: update + log-probs per trained token
     train_flops_per_token_param: float = 6.0  # the update: forward + backward
@@ -103,6 +106,8 @@ class EngineSpec:
     prefill_t0: float | None = None
     prefill_per_token: float | None = None
     prefill_per_token_pair: float | None = None
+    prefill_per_request: float | None = None  # measured only (calibrate): 0 in the derived presets
+
     kv_capacity_tokens: int | None = None
     source: str = ""  # where a measured spec came from (``april-slime calibrate``)
     gpu: str = ""  # the GPU's name, for the record
@@ -185,6 +190,8 @@ class EngineSpec:
             decode_overlap_s=0.0 if measured else weight_read,
             prefill_per_token_pair=(float(self.prefill_per_token_pair) if self.prefill_per_token_pair is not None
                                     else attention_flops_per_pair / (flops * self.prefill_flops_efficiency)),
+            prefill_per_request=float(self.prefill_per_request or 0.0),
+
             graph_max_batch=float(self.graph_max_batch()),
             eager_step_extra_s=self.eager_step_extra_s,
         )

@@ -44,6 +44,7 @@ class Workload:
     policies: tuple[str, ...] = ("sync", "april", "copris", "copris-adaptive")
     concurrency: int | None = None  # copris N'; None: 2 x rollout_batch_size x n_samples_per_prompt
     over_sampling_factor: float = 2.0
+    refill_batch: int | None = None  # copris: april_refill_batch (None: the plugin's default)
     max_staleness: int | None = None
     # Each partial-rollout policy is also run at these bounds of april_max_staleness (None:
     # unbounded), labelled ``policy@s<k>`` (``run_labels``); empty: only at ``max_staleness``.

@@ -117,8 +117,8 @@ class ContinuousBatch:
         if batch:
             tokens = sum(r.kv_tokens for r in batch)
             pairs = sum(r.kv_tokens * (r.kv_tokens + 1) / 2.0 for r in batch)
-            self._plan = _Plan("prefill", batch, start,
-                               np.array([start + self.config.time.prefill_step(tokens, pairs)]), tokens)
+            cost = self.config.time.prefill_step(tokens, pairs, len(batch))
+            self._plan = _Plan("prefill", batch, start, np.array([start + cost]), tokens)
             return self._plan
         if not self._running:
             # Nothing fits even in an empty engine; submit() rejects such requests, so this

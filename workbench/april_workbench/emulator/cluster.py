@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Any
 
 from april_slime.core.transport import TransportHTTPError
@@ -140,14 +141,23 @@ class LocalTransport:
     unless ``token_arrays``: then a generate reply keeps the engine's arrays (``LogprobArrays``,
     which the client's reply checks read as they are), and no Python object is built per token
     on the way. Both forms carry the same values, bit for bit.
+
+    ``transit_s``: the round trip of a generate or abort outside the engine's own time (HTTP, a
+    real engine's front end), half on the way in, half on the way out; 0: instantaneous.
     """
 
-    def __init__(self, cluster: EmulatorCluster, *, copy_payloads: bool = False, token_arrays: bool = False):
+    TRANSIT_PATHS = ("/generate", "/abort_request")
+
+    def __init__(self, cluster: EmulatorCluster, *, copy_payloads: bool = False, token_arrays: bool = False,
+                 transit_s: float = 0.0):
         if copy_payloads and token_arrays:
             raise ValueError("copy_payloads sends replies through JSON, which has no token arrays")
+        if not (transit_s >= 0.0 and math.isfinite(transit_s)):
+            raise ValueError(f"transit_s must be a finite value >= 0, got {transit_s}")
         self.cluster = cluster
         self.copy_payloads = copy_payloads
         self.token_arrays = token_arrays
+        self.transit_s = transit_s
         self.unreachable: set[str] = set()
 
     async def request(self, method: str, url: str, path: str, payload: dict | None,
@@ -158,7 +168,12 @@ class LocalTransport:
             raise ConnectionRefusedError(f"cannot connect to {url}")
         if self.copy_payloads and payload is not None:
             payload = json.loads(json.dumps(payload))
+        delay = self.transit_s / 2 if self.transit_s and path in self.TRANSIT_PATHS else 0.0
+        if delay:
+            await asyncio.sleep(delay)
         status, body = await asyncio.wait_for(handler.handle(method, path, payload), timeout_s)
+        if delay:
+            await asyncio.sleep(delay)
         if not self.token_arrays:
             body = wire_form(body)
         if self.copy_payloads:

@@ -2,7 +2,7 @@
 batching limits and clock.
 
 Time: a decode step costs ``t0 + c_req * num_running + c_kv * kv_tokens_in_use`` emulated seconds,
-a prefill ``prefill_t0 + prefill_per_token * tokens``.
+a prefill ``prefill_t0 + prefill_per_request * requests + prefill_per_token * tokens`` (+ attention pairs).
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ class TimeModel:
     # (no prefix cache survives a weight update) pays for n (n + 1) / 2 query-key pairs. This is
     # what makes re-prefilling a resumed 30K-token partial cost more than 30K x prefill_per_token.
     prefill_per_token_pair: float = 0.0
+    # What each request admitted costs beyond its tokens: on a real engine its way in and out
+    # (the HTTP front end, the tokenizer manager, the detokenizer, building its reply) runs in
+    # processes that, on a machine whose cores the engines share (the local CPU stack), take
+    # those cores from the scheduler; 0 where that work runs beside the GPU for free.
+    prefill_per_request: float = 0.0
     # CUDA graphs are captured up to this batch (0: every batch); a larger decode batch runs
     # eagerly and pays ``eager_step_extra_s`` of kernel-launch overhead per step.
     graph_max_batch: float = 0.0
@@ -52,9 +57,11 @@ class TimeModel:
     def decode_step(self, num_running: int, kv_tokens: int) -> float:
         return self.decode_fixed(num_running) + self.decode_per_kv_token * kv_tokens
 
-    def prefill_step(self, tokens: int, token_pairs: float = 0.0) -> float:
-        """A prefill of ``tokens`` tokens whose attention covers ``token_pairs`` query-key pairs."""
-        return self.prefill_t0 + self.prefill_per_token * tokens + self.prefill_per_token_pair * token_pairs
+    def prefill_step(self, tokens: int, token_pairs: float = 0.0, requests: int = 1) -> float:
+        """A prefill of ``requests`` requests, ``tokens`` tokens whose attention covers
+        ``token_pairs`` query-key pairs."""
+        return (self.prefill_t0 + self.prefill_per_request * requests + self.prefill_per_token * tokens
+                + self.prefill_per_token_pair * token_pairs)
 
 
 @dataclass(frozen=True)
