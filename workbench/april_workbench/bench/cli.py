@@ -264,6 +264,23 @@ def main(argv: list[str] | None = None) -> int:
         from .docs_report import main as report_main
 
         return report_main(argv[1:])
+    if argv and argv[0] == "real":
+        from .real.cli import main as real_main
+
+        return real_main(argv[1:])
+    if argv and argv[0] == "predict":
+        # a job's speed-up from its lengths and an engine spec: the emulated twin alone
+        from .real.cli import main as real_main
+
+        rest = argv[1:]
+        if "-h" in rest or "--help" in rest:
+            print("usage: april-slime bench predict --lengths FILE --engine-spec SPEC [bench real options]\n\n"
+                  "Each policy's speed-up for the job whose response lengths FILE holds (a slime rollout dump "
+                  "from --save-debug-rollout-data, or JSONL), on the engines SPEC describes (april-slime "
+                  "calibrate): `april-slime bench real --emulated-only --workloads job`. The job's shape "
+                  "(groups per step, samples per group) comes from FILE unless --batch / --n say.")
+            return 0
+        return real_main(["--emulated-only", "--workloads", "job", *rest])
     args = build_parser().parse_args(argv)
     try:
         workload, spec, notes = _configure(args)

@@ -26,7 +26,7 @@ from typing import Any
 # A path holds no white space, so a marker never reaches past its own line (an empty block's end included).
 BEGIN = re.compile(r"<!-- bench-report (?P<kind>[a-z-]+)(?P<paths>(?: \S+)+) -->\n")
 END = "<!-- /bench-report -->"
-DOCUMENTS = ("docs/results.md", "docs/calibration.md", "docs/bench.md")
+DOCUMENTS = ("README.md", "docs/results.md", "docs/calibration.md", "docs/bench.md")
 WITHIN = 0.10  # the "within +-10%" of the reproduce summary
 
 
@@ -35,7 +35,7 @@ def _load(root: str, path: str) -> Any:
         return json.load(fh)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def md_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
@@ -79,7 +79,7 @@ def reproduce_table(data: dict[str, Any]) -> str:
         rows.append([r["name"], f"{r['published']:.2f}x", f"{r['emulated']:.2f}x", f"{r['difference']:+.1%}",
                      f"{_seconds(num['published_s_per_step'])} / {_seconds(den['published_s_per_step'])}",
                      f"{num['step_s']:,.0f} / {den['step_s']:,.0f}", r["role"]])
-    table = _table(["figure", "published", "emulated", "diff", "published s/step", "emulated s/step", "role"],
+    table = md_table(["figure", "published", "emulated", "diff", "published s/step", "emulated s/step", "role"],
                    rows)
     return table + "\n\n" + reproduce_summary(data)
 
@@ -94,7 +94,7 @@ def reproduce_statistics(data: dict[str, Any]) -> str:
         if s.get("solved"):
             emulated += " (solved input, not an output)"
         rows.append([s["name"], published, emulated, s["where"]])
-    return _table(["statistic", "published", "emulated", "emulated on"], rows)
+    return md_table(["statistic", "published", "emulated", "emulated on"], rows)
 
 
 def reproduce_absolute(data: dict[str, Any]) -> str:
@@ -110,7 +110,7 @@ def reproduce_absolute(data: dict[str, Any]) -> str:
                          f"{_seconds(a['published_logprob_s'])} / {a['buffered_logprob_s_per_step']:,.0f}",
                          f"{a['published_s_per_step']:,.0f} / {a['step_s']:,.0f}",
                          f"{a['step_s'] / a['published_s_per_step']:.2f}"])
-    return _table(["row", "run", "rollout s: published / emulated", "log-probs of buffered partials s (emulated)",
+    return md_table(["row", "run", "rollout s: published / emulated", "log-probs of buffered partials s (emulated)",
                    "step s: published / emulated", "emulated / published"], rows)
 
 
@@ -124,7 +124,7 @@ def headline(data: dict[str, Any]) -> str:
                      f"**{b['ratio_to_sync']:.2f}x**" if policy != "sync" else "1.00x", ratio,
                      f"{b['throughput_tokens_per_s']:,.0f}", f"{b['utilization']:.1%}",
                      f"{b['offpolicy_token_fraction']:.1%}"])
-    table = _table(["policy", "steps/h", "band", "vs sync", "band", "rollout tok/s", "util", "off-policy tokens"],
+    table = md_table(["policy", "steps/h", "band", "vs sync", "band", "rollout tok/s", "util", "off-policy tokens"],
                    rows)
     variants = ", ".join(v["name"] for v in data["band"]["variants"])
     nominal = data["band"]["runs"][data["band"]["variants"][0]["name"]]
@@ -146,7 +146,7 @@ def context_sweep(data: dict[str, Any]) -> str:
                      f"{a['steps_per_hour'] / s['steps_per_hour']:.2f}x",
                      f"{c['steps_per_hour'] / a['steps_per_hour']:.2f}x",
                      f"{s['utilization']:.1%} / {c['utilization']:.1%}"])
-    return _table(["budget", "sync steps/h", "april", "copris", "copris / sync", "april / sync", "copris / april",
+    return md_table(["budget", "sync steps/h", "april", "copris", "copris / sync", "april / sync", "copris / april",
                    "util sync / copris"], rows)
 
 
@@ -159,7 +159,7 @@ def multiturn(data: dict[str, Any]) -> str:
             v = c[key]
             return f"{v['nominal']:.2f}x ({v['min']:.2f}-{v['max']:.2f}x)"
         rows.append([policy, show("multi_turn"), show("single_turn"), show("gain")])
-    table = _table(["policy", "vs sync, multi-turn", "vs sync, single turn of equal tokens",
+    table = md_table(["policy", "vs sync, multi-turn", "vs sync, single turn of equal tokens",
                     "multi-turn gain / single-turn gain"], rows)
     runs = [(side.replace("_", "-"), name, policy, summary) for side in ("multi_turn", "single_turn")
             for name, by_policy in band[side]["runs"].items() for policy, summary in by_policy.items()]
@@ -226,7 +226,7 @@ def bounds(data: dict[str, Any]) -> str:
     w = data["workload"]
     steady = ("every run stationary" if not unsteady else
               f"not stationary (the partial buffer still trended over the second half): {', '.join(unsteady)}")
-    return (_table(header, rows) + f"\n\n{w['rollout_batch_size']} prompts x {w['n_samples_per_prompt']} samples "
+    return (md_table(header, rows) + f"\n\n{w['rollout_batch_size']} prompts x {w['n_samples_per_prompt']} samples "
             f"per step, {w['steps']} steps, warm-up {min(warm)}-{max(warm)} steps left out (MSER), {steady}. "
             f"Nominal value (min-max over {len(band['variants'])} variants: {variants}); every ratio and "
             f"share measured within its variant. Discarded tokens: totals over the measured steps of the "
@@ -253,7 +253,7 @@ def fit_table(data: dict[str, Any]) -> str:
         rows.append([f"`{law}`", f["row"].split(":")[0], median, f"{best['prompt_sigma']:.2f}",
                      f"{st['median']:,.0f} / {st['mean']:,.0f}", f"{st['sigma_batch']:,.0f} / {st['sigma_group']:,.0f}",
                      target, f"{len(f['grid'])}, {best['score']:.2f}"])
-    table = _table(["law", "fit row", "median_tokens (interval)", "prompt_sigma", "median / mean at 16K",
+    table = md_table(["law", "fit row", "median_tokens (interval)", "prompt_sigma", "median / mean at 16K",
                     "sigma batch / group at 16K", "fit row: emulated vs published", "candidates, best score"], rows)
     t = data.get("verl_training") or {}
     if t:
@@ -278,7 +278,7 @@ def cpu_engine(spec: dict[str, Any], compare: list[dict[str, Any]]) -> str:
             f"{m['abort_latency_s'] * 1e3:.0f} ms. Grid (batch x prompt tokens): {grid}.")
     rows = [[f"{r['batch']} x {r['prompt_len']}, {r['new_tokens']}", f"{r['real_s']:.3f} s", f"{r['emulated_s']:.3f} s",
              f"{r['ratio']:.2f}"] for r in compare]
-    return text + "\n\n" + _table(["batch x prompt, new tokens", "real", "emulated", "emulated / real"], rows)
+    return text + "\n\n" + md_table(["batch x prompt, new tokens", "real", "emulated", "emulated / real"], rows)
 
 
 # ============================================================================ the presets (from code)
@@ -295,8 +295,19 @@ def engine_presets() -> str:
                      f"{p.mem_fraction_static:g}" + (", eager" if p.enforce_eager else ""), p.model,
                      f"{p.kv_capacity():,}", f"{tm.decode_t0 * 1e3:.2f} ms", f"{1.0 / tm.decode_step(1, 1000):,.0f}",
                      training])
-    return _table(["preset", "GPUs, engine", "model", "KV tokens / engine", "decode_t0", "1-stream tok/s",
+    return md_table(["preset", "GPUs, engine", "model", "KV tokens / engine", "decode_t0", "1-stream tok/s",
                    "training"], rows)
+
+
+def _real(name: str) -> Callable[..., str]:
+    """A renderer of ``april-slime bench real``'s JSON (``real/report.py``, which uses this module's
+    table helper, so it is imported when first used)."""
+    def render(*data: Any) -> str:
+        from .real import report
+
+        return getattr(report, name)(*data)
+
+    return render
 
 
 RENDERERS: dict[str, tuple[int, Callable[..., str]]] = {
@@ -306,6 +317,8 @@ RENDERERS: dict[str, tuple[int, Callable[..., str]]] = {
     "headline": (1, headline), "context-sweep": (1, context_sweep), "multi-turn": (1, multiturn),
     "bounds": (1, bounds),
     "fit": (1, fit_table), "cpu-engine": (2, cpu_engine),
+    "real": (1, _real("table")), "real-checks": (1, _real("checks")), "real-repeat": (2, _real("repeat")),
+    "real-readme": (1, _real("readme")),
 }
 
 

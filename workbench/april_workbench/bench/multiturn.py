@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,9 +209,14 @@ class BenchAgent:
     """An ``EpisodeAgent`` whose episodes make their planned turns through ``runner.call``."""
 
     def __init__(self, plans: dict[str, EpisodePlan], tool_tokens: int, time_scale: float = 1.0,
-                 tool_workers: int | None = None, tool_pool_order: str = "fifo"):
+                 tool_workers: int | None = None, tool_pool_order: str = "fifo",
+                 tool_ids: list[int] | None = None, run_tool: Callable[[float], Awaitable[None]] | None = None):
         self.plans = plans
-        self.tool_ids = tool_result(tool_tokens)
+        self.tool_ids = tool_result(tool_tokens) if tool_ids is None else list(tool_ids)
+        # what holds a worker for a tool's seconds: a sleep on the loop's clock, or a real tool
+        # (``real.tools.ToolProcessPool.run``: a worker process, wall seconds)
+        self.run_tool = run_tool
+        self.tools_open = 0  # tool attempts waiting for a worker or running
         self.time_scale = time_scale  # emulated seconds per loop second (http mode runs on the wall clock)
         self.tool_workers = tool_workers  # None: every tool call runs at once
         self.tool_pool_order = tool_pool_order  # fifo or oldest (Workload.tool_pool_order)
@@ -244,8 +249,21 @@ class BenchAgent:
     async def _tool(self, seconds: float, started: float) -> None:
         """One tool attempt: wait for a worker, hold it ``seconds`` (emulated); ``started``: when
         its episode was launched (the oldest-first pool's order)."""
-        if self.tool_workers is None:
+        self.tools_open += 1
+        try:
+            await self._tool_attempt(seconds, started)
+        finally:
+            self.tools_open -= 1
+
+    async def _hold(self, seconds: float) -> None:
+        if self.run_tool is not None:
+            await self.run_tool(seconds)
+        else:
             await asyncio.sleep(seconds / self.time_scale)
+
+    async def _tool_attempt(self, seconds: float, started: float) -> None:
+        if self.tool_workers is None:
+            await self._hold(seconds)
             return
         if self._pool is None:
             self._pool = (asyncio.Semaphore(self.tool_workers) if self.tool_pool_order == "fifo"
@@ -258,7 +276,7 @@ class BenchAgent:
             self._busy += 1
             self.tool_busy_max = max(self.tool_busy_max, self._busy)
             try:
-                await asyncio.sleep(seconds / self.time_scale)
+                await self._hold(seconds)
             finally:
                 self._busy -= 1
 
