@@ -27,6 +27,8 @@ SLIME_FLAGS = {
     "--custom-tis-function-path": "april_slime.loss.tis",
     "--custom-megatron-before-train-step-hook-path": "april_slime.vcpo.before_train_step",
     "--custom-advantage-function-path": "april_slime.vcpo.opob_advantages",
+    # slime's group normalisation without the masked samples (april_mask_failed_samples)
+    "--custom-reward-post-process-path": "april_slime.masking.post_process_rewards",
 }
 
 # public name -> the module that owns it
@@ -37,6 +39,7 @@ _OWNERS = {
     "tis": "april_slime.loss",
     "before_train_step": "april_slime.vcpo",
     "opob_advantages": "april_slime.vcpo",
+    "post_process_rewards": "april_slime.masking",
     "AprilConfig": "april_slime.core.config",
     "AprilConfigError": "april_slime.core.config",
     "for_job": "april_slime.settings",

@@ -224,6 +224,7 @@ def test_the_checker_sees_a_cycle_and_an_oversized_class(tmp_path):
 # ------------------------------------------------------------------------------------ the doors
 def test_the_public_surface_is_declared_in_one_place_and_loads():
     import april_slime
+    from april_slime.core.config import MASKING_POST_PROCESS
 
     assert set(april_slime.SLIME_FLAGS.values()) >= {
         "april_slime.rollout.generate_rollout", "april_slime.rollout.AprilDataSource",
@@ -234,6 +235,8 @@ def test_the_public_surface_is_declared_in_one_place_and_loads():
         assert getattr(april_slime, name) is getattr(importlib.import_module(module), name)
     for name in april_slime.__all__:
         assert getattr(april_slime, name) is not None, name
+    # every path a start-time refusal asks the job for is a flag listed here
+    assert april_slime.SLIME_FLAGS["--custom-reward-post-process-path"] == MASKING_POST_PROCESS
     with pytest.raises(AttributeError, match="public names"):
         april_slime.scheduler  # noqa: B018
 
