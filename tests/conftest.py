@@ -35,3 +35,12 @@ def pytest_collection_modifyitems(config, items):
         return 2 if "real_stack" in getattr(item, "fixturenames", ()) else 1
 
     items.sort(key=stage)  # stable: the order within each stage stays as collected
+
+
+@pytest.fixture(autouse=True)
+def pacing_cross_check(monkeypatch):
+    """Every staleness-pacing decision of every test is also recomputed from the groups themselves:
+    the slacks the pacing keeps must be those the groups have (``StalenessPacing.cross_check``)."""
+    from april_slime.core.pacing import StalenessPacing
+
+    monkeypatch.setattr(StalenessPacing, "cross_check", True)

@@ -13,8 +13,11 @@ def group(uid, oldest=None, interruptions=0, finished=False):
     return Group(uid=uid, prompt_ids=[1, 2], trajectories=[t], interruptions=interruptions)
 
 
-def pacing(k=2, m=None, version=10, target=2):
-    return StalenessPacing(max_staleness=k, max_interruptions=m, current_version=version, target=target)
+def pacing(k=2, m=None, version=10, target=2, live=()):
+    p = StalenessPacing(max_staleness=k, max_interruptions=m, current_version=version, target=target)
+    for g in live:  # what the step's groups report as they change place
+        p.track(g, live=True)
+    return p
 
 
 def test_groups_resume_tightest_slack_first_and_protected_ones_with_the_due():
@@ -34,20 +37,20 @@ def test_protection_never_crowds_out_a_due_group():
 
 
 def test_a_new_group_opens_only_if_every_group_can_still_be_trained_in_time():
-    p = pacing(k=1, target=2)
     live = [group("a", oldest=9), group("b", oldest=10), group("c", oldest=10)]
+    p = pacing(k=1, target=2, live=live)
     # slack 0: 1 group <= 2 slots now; slack <= 1: 3 groups + the new one <= 2 + 2
-    assert p.may_open(group("new"), live, accepted=0)
-    assert not p.may_open(group("new"), live, accepted=1)
-    assert p.may_open(live[1], live, accepted=1)  # already counted: opening it changes nothing
+    assert p.may_open(group("new"), accepted=0)
+    assert not p.may_open(group("new"), accepted=1)
+    assert p.may_open(live[1], accepted=1)  # already counted: opening it changes nothing
 
 
 def test_a_passing_group_waits_while_the_due_ones_need_the_slots():
-    p = pacing(k=1, target=2)
     due, young = group("d", oldest=9), group("y", oldest=10, finished=True)
-    assert not p.may_accept(young, [due, young], accepted=1)  # the last slot is the due group's
-    assert p.may_accept(young, [due, young], accepted=0)
-    assert p.may_accept(due, [due, young], accepted=1)  # a due group is always accepted
+    p = pacing(k=1, target=2, live=[due, young])
+    assert not p.may_accept(young, accepted=1)  # the last slot is the due group's
+    assert p.may_accept(young, accepted=0)
+    assert p.may_accept(due, accepted=1)  # a due group is always accepted
 
 
 def test_unbounded_and_unprotected_means_no_pacing():

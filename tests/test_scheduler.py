@@ -421,6 +421,64 @@ async def test_pacing_keeps_the_bound_without_throwing_work_away(policy, bound):
         assert max(lags) == bound, "the bound was never used: the test shows nothing"
 
 
+@pytest.mark.parametrize("policy", ["copris", "april"])
+@virtual_clock
+async def test_pacing_sees_a_reply_from_older_weights_at_once(policy):
+    """A reply whose tokens come partly from the previous weights makes a group opened with slack 1
+    due in the middle of the step. The pacing keeps each live group's slack instead of recomputing
+    it per check (``StalenessPacing.track``), so the reply must update it: every decision of this
+    run is also recomputed from the groups (``cross_check``, on for every test) and must agree."""
+    assert StalenessPacing.cross_check
+    client = long_tail_client()
+    client.split_versions = True  # half of every reply's tokens are of the previous version
+    sched, client, buffer = make(policy, client=client, batch=3, n=2, concurrency=8, max_staleness=1,
+                                 over_sampling_factor=2.0)
+    prompts = Prompts(2, max_new_tokens=60)
+    due_by_a_reply = 0
+    for step in range(6):
+        client.version = step
+        res = await sched.run_step(prompts, current_version=step)
+        assert len(res.groups) == 3
+        due_by_a_reply += sum(1 for g in res.groups if g.created_version == step
+                              and g.staleness(step) == 1)
+    assert due_by_a_reply > 0, "no group opened in a step was made due by a reply: the test shows nothing"
+
+
+def test_pacing_work_per_call_does_not_grow_with_the_step(monkeypatch):
+    """The pacing's cost, counted in slack computations (its only per-group work; a check reads
+    counts per slack): per engine call the same at 16 and at 256 groups a step, where recomputing
+    every live group's slack per check grew with the number of live groups."""
+    monkeypatch.setattr(StalenessPacing, "cross_check", False)  # it recomputes on purpose
+    computed = collections.Counter()
+    compute = StalenessPacing._compute_slack
+
+    def counting(self, group):
+        computed["slack"] += 1
+        return compute(self, group)
+
+    monkeypatch.setattr(StalenessPacing, "_compute_slack", counting)
+
+    def per_call(batch: int) -> float:
+        computed.clear()
+
+        async def main():
+            sched, client, _ = make("copris", client=long_tail_client(), batch=batch, n=2, concurrency=4 * batch,
+                                    max_staleness=2)
+            prompts = Prompts(2, max_new_tokens=60)
+            for step in range(4):
+                client.version = step
+                res = await sched.run_step(prompts, current_version=step)
+                assert res.metrics["april/pacing_deferred_groups"] + res.metrics["april/pacing_held_opens"] > 0 \
+                    or step == 0
+            return len(client.calls)
+
+        calls = run_virtual(main())
+        return computed["slack"] / calls
+
+    small, large = per_call(16), per_call(256)
+    assert large <= 1.3 * small and large < 8, (small, large)
+
+
 @pytest.mark.parametrize("policy,bound", [("copris", 1), ("april", 0)])
 def test_without_pacing_the_same_runs_throw_work_away(policy, bound, monkeypatch):
     """The counterpart of the test above: the same runs with the bound applied only after the

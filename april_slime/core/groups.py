@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -46,6 +47,9 @@ from april_slime.core.step_metrics import group_tokens
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
+
+# the places whose groups the staleness pacing counts (and RESUME, for a group that holds tokens)
+_LIVE = frozenset({Place.ACTIVE, Place.REWARDING, Place.DEFERRED, Place.UNJUDGED})
 
 # the counters (groups, tokens) of StepCounters that each counted reason of a drop adds to
 _DROP_COUNTERS = {DROP_FILTERED: ("filtered_groups", "filtered_tokens"),
@@ -90,7 +94,7 @@ class StepGroups:
         taken = buffer.take(len(buffer), self.step.current_version)
         taken = self.step.pacing.protect(taken, [g for g in taken if holds_tokens(g)])
         for group in taken:
-            self.ledger.move(group, to=Place.RESUME)
+            self._move(group, to=Place.RESUME)
         self.stale_delta = {k: buffer.counters()[k] - before_counters[k] for k in before_counters}
         still_there = {g.uid for g in buffer.groups()}
         for uid in before.keys() - still_there - {g.uid for g in taken}:
@@ -99,8 +103,20 @@ class StepGroups:
 
     def live(self) -> list[Group]:
         """The groups the staleness pacing counts: opened or holding tokens, not accepted."""
-        return [*self.ledger.groups(Place.ACTIVE, Place.REWARDING, Place.DEFERRED, Place.UNJUDGED),
+        return [*self.ledger.groups(*_LIVE),
                 *(g for g in self.ledger.groups(Place.RESUME) if holds_tokens(g))]
+
+    def _move(self, group: Group, to: Place, *, reason: str | None = None) -> None:
+        """Every change of place: the ledger's move, and the pacing told whether the group counts."""
+        self.ledger.move(group, to=to, reason=reason)
+        if self.step.pacing.active:
+            self.step.pacing.track(group, live=to in _LIVE or (to is Place.RESUME and holds_tokens(group)))
+
+    def tokens_changed(self, uid: str) -> None:
+        """A reply brought group ``uid`` tokens (maybe of an older version): its slack is read again."""
+        place = self.ledger.place_of(uid)
+        if self.step.pacing.active and place in _LIVE:
+            self.step.pacing.track(self.ledger.get(uid, place), live=True)
 
     def open(self, k: int) -> int:
         """Open up to ``k`` groups, buffered ones first; returns how many were opened. New prompts
@@ -117,12 +133,20 @@ class StepGroups:
                 group = self.ledger.first(Place.FRESH)
                 if group is None:
                     break
-            if self.step.pacing.active and not self.step.pacing.may_open(group, self.live(), self.accepted):
+            if self.step.pacing.active and not self._pacing_may_open(group):
                 self.step.counters.pacing_held_opens += 1
                 break
             self._open(group, resumed=resumed)
             opened += 1
         return opened
+
+    def _pacing_may_open(self, group: Group) -> bool:
+        self.step.pacing.check_tracking(self.live())
+        return self.step.pacing.may_open(group, self.accepted)
+
+    def _pacing_may_accept(self, group: Group) -> bool:
+        self.step.pacing.check_tracking(self.live())
+        return self.step.pacing.may_accept(group, self.accepted)
 
     def _fetch_fresh(self, k: int) -> None:
         """Ask the prompt source for ``k`` groups; the batch is checked as a whole before any of
@@ -130,41 +154,41 @@ class StepGroups:
         groups = list(self.prompt_source.next_groups(k, self.step.current_version))
         if len(groups) > k:
             raise ValueError(f"prompt source returned {len(groups)} groups when asked for {k}")
-        uids = [g.uid for g in groups]
+        repeated = {uid for uid, count in Counter(g.uid for g in groups).items() if count > 1}
         n = self.n_samples_per_prompt
         for group in groups:
             if len(group.trajectories) != n:
                 raise ValueError(f"prompt source gave group {group.uid} with {len(group.trajectories)} "
                                  f"trajectories, expected n_samples_per_prompt={n}")
-            if group.uid in self.ledger or group.uid in self.buffer or uids.count(group.uid) > 1:
+            if group.uid in self.ledger or group.uid in self.buffer or group.uid in repeated:
                 raise ValueError(f"prompt source gave group {group.uid} twice")
             if any(t.status is TrajectoryStatus.RUNNING for t in group.trajectories):
                 raise ValueError(f"prompt source gave group {group.uid} with a running trajectory")
         if len(groups) < k:
             self.exhausted = True
         for group in groups:
-            self.ledger.move(group, to=Place.FRESH)
+            self._move(group, to=Place.FRESH)
 
     def _open(self, group: Group, resumed: bool) -> None:
         if resumed:
             self.step.counters.resumed_groups += 1
         self.step.queue.extend(self.step.work.open_group(group))
         if self.step.work.gave_up(group):
-            self.ledger.move(group, to=Place.ACTIVE)
+            self._move(group, to=Place.ACTIVE)
             self.drop(group, DROP_EPISODE_FAILED)
         elif group.complete:
             self.complete(group)
         else:
-            self.ledger.move(group, to=Place.ACTIVE)
+            self._move(group, to=Place.ACTIVE)
 
     # ------------------------------------------------------------------ completion
     def complete(self, group: Group) -> None:
         """All trajectories of ``group`` finished: reward it, or judge it at once."""
         if self.step.recovering:
-            self.ledger.move(group, to=Place.UNJUDGED)
+            self._move(group, to=Place.UNJUDGED)
             return
         if self.reward_fn is not None and any(t.reward is None for t in group.trajectories):
-            self.ledger.move(group, to=Place.REWARDING)
+            self._move(group, to=Place.REWARDING)
             self.rewards[group.uid] = self.step.loop.create_task(self._reward(group))
         else:
             self._judge(group)
@@ -187,13 +211,13 @@ class StepGroups:
         if error is not None:
             for t in group.trajectories:
                 t.reward = None
-            self.ledger.move(group, to=Place.UNJUDGED)
+            self._move(group, to=Place.UNJUDGED)
             if self.step.recovering:
                 logger.warning("reward function failed on group %s while recovering: %s", group.uid, error)
                 return None
             return error
         if self.step.recovering:
-            self.ledger.move(group, to=Place.UNJUDGED)
+            self._move(group, to=Place.UNJUDGED)
             return None
         self._judge(group)
         return None
@@ -202,18 +226,18 @@ class StepGroups:
         try:
             keep = True if self.group_filter is None else bool(self.group_filter(group))
         except Exception:
-            self.ledger.move(group, to=Place.UNJUDGED)
+            self._move(group, to=Place.UNJUDGED)
             raise
         if not keep:
             self.drop(group, DROP_FILTERED)
             self.promote_deferred()
         elif self.accepted >= self.step.target:
-            self.ledger.move(group, to=Place.SURPLUS)
-        elif not self.step.pacing.active or self.step.pacing.may_accept(group, self.live(), self.accepted):
-            self.ledger.move(group, to=Place.ACCEPTED)
+            self._move(group, to=Place.SURPLUS)
+        elif not self.step.pacing.active or self._pacing_may_accept(group):
+            self._move(group, to=Place.ACCEPTED)
             self.promote_deferred()
         else:
-            self.ledger.move(group, to=Place.DEFERRED)
+            self._move(group, to=Place.DEFERRED)
             self.step.pacing.deferrals += 1
 
     def promote_deferred(self, force: bool = False) -> None:
@@ -222,10 +246,10 @@ class StepGroups:
         for group in sorted(self.ledger.groups(Place.DEFERRED), key=self.step.pacing.order):
             if self.accepted >= self.step.target:
                 return
-            if force or self.step.pacing.may_accept(group, self.live(), self.accepted):
+            if force or self._pacing_may_accept(group):
                 if force:
                     self.step.counters.pacing_forced_accepts += 1
-                self.ledger.move(group, to=Place.ACCEPTED)
+                self._move(group, to=Place.ACCEPTED)
 
     def cancel_rewards(self) -> None:
         """Groups still being rewarded go back unjudged, their partial rewards cleared: the next
@@ -234,12 +258,13 @@ class StepGroups:
             self.rewards.pop(group.uid).cancel()
             for t in group.trajectories:
                 t.reward = None
-            self.ledger.move(group, to=Place.UNJUDGED)
+            self._move(group, to=Place.UNJUDGED)
 
     def episode_done(self, member: Trajectory) -> None:
         """An episode of ``member``'s group finished, or was given up."""
         if self.ledger.place_of(member.group_uid) is not Place.ACTIVE:
             return  # not opened in this step: the step that opens it sees the member as it is
+        self.tokens_changed(member.group_uid)  # an episode's tokens land on its member when it ends
         group = self.ledger.get(member.group_uid, Place.ACTIVE)
         if self.step.work.gave_up(group):
             self.drop(group, DROP_EPISODE_FAILED)
@@ -248,9 +273,10 @@ class StepGroups:
 
     def drop(self, group: Group, reason: str) -> None:
         """Discard ``group``, counted by its reason (its generated tokens count as discarded)."""
-        self.ledger.move(group, to=Place.DROPPED, reason=reason)
+        had_work = self.ledger.place_of(group.uid) is Place.ACTIVE  # only an open group has queued calls
+        self._move(group, to=Place.DROPPED, reason=reason)
         self.step.work.discard(group)
-        if self.step.queue:  # in place: the step shares this queue
+        if had_work and self.step.queue:  # in place: the step shares this queue
             kept = [q for q in self.step.queue if q.group_uid != group.uid]
             self.step.queue.clear()
             self.step.queue.extend(kept)
@@ -288,4 +314,4 @@ class StepGroups:
 
     def _buffer(self, group: Group) -> None:
         self.buffer.put(group)
-        self.ledger.move(group, to=Place.BUFFERED)
+        self._move(group, to=Place.BUFFERED)

@@ -32,17 +32,27 @@ work left and carried to the next step, ``Group.interruptions``) is protected wh
 takes it: it gets slack 0, so it is resumed first and runs to completion in that step instead of
 being aborted again. A group is protected only while the inequality holds with it, so protection
 never makes a due group miss its step; one left unprotected is protected at a later step.
+
+Cost. The rules read counts of live groups per slack, never the groups themselves: the step tells
+the pacing when a group starts or stops counting (``track``, at every change of place, and after
+every reply, which may bring tokens of an older version), each group's slack is computed then and
+kept, and a check costs O(max_staleness) whatever the number of live groups. A step of N' requests
+costs O(N') slack computations (``slack_computations``), not O(accepts x live groups).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
 
 from april_slime.core.types import Group
 
 
 class StalenessPacing:
     """The pacing decisions of one step; the step's ledger stays the owner of the groups' places."""
+
+    # A self-check for the tests: every decision also recomputed from the groups (``cross_check``),
+    # which costs O(live groups) a check again.
+    cross_check: bool = False
 
     def __init__(self, *, max_staleness: int | None, max_interruptions: int | None, current_version: int,
                  target: int):
@@ -52,12 +62,23 @@ class StalenessPacing:
         self.target = target
         self.protected: set[str] = set()  # uids of the groups protected in this step
         self.deferrals = 0  # times a passing group was deferred
+        self.slack_computations = 0  # the work the rules did (tests hold it linear)
+        self._counted: dict[str, tuple[Group, int | None]] = {}  # live groups: uid -> (group, its slack)
+        self._by_slack: Counter[int] = Counter()  # live groups with a bounded slack, per slack
 
     @property
     def active(self) -> bool:
         return self.max_staleness is not None or self.max_interruptions is not None
 
     def slack(self, group: Group) -> int | None:
+        """``group``'s slack now (the one kept for it, where it counts)."""
+        counted = self._counted.get(group.uid)
+        if counted is not None and counted[0] is group:
+            return counted[1]
+        return self._compute_slack(group)
+
+    def _compute_slack(self, group: Group) -> int | None:
+        self.slack_computations += 1
         if group.uid in self.protected:
             return 0
         if self.max_staleness is None:
@@ -72,51 +93,95 @@ class StalenessPacing:
         slack = self.slack(group)
         return float("inf") if slack is None else slack
 
+    # ------------------------------------------------------------------ the live groups
+    def track(self, group: Group, live: bool) -> None:
+        """``group`` counts (opened or holding tokens, not accepted) or no longer does; a counted
+        group's slack is computed again (a reply may have brought tokens of an older version)."""
+        self._uncount(group.uid)
+        if live:
+            slack = self._compute_slack(group)
+            self._counted[group.uid] = (group, slack)
+            if slack is not None:
+                self._by_slack[slack] += 1
+
+    def _uncount(self, uid: str) -> None:
+        counted = self._counted.pop(uid, None)
+        if counted is not None and counted[1] is not None:
+            self._by_slack[counted[1]] -= 1
+            if not self._by_slack[counted[1]]:
+                del self._by_slack[counted[1]]
+
+    def counts(self, group: Group) -> bool:
+        return group.uid in self._counted
+
+    def check_tracking(self, live: list[Group]) -> None:
+        """With ``cross_check``: the kept slacks are those of ``live`` computed now."""
+        if not self.cross_check:
+            return
+        kept = {uid: slack for uid, (_, slack) in self._counted.items()}
+        now = {g.uid: self._compute_slack(g) for g in live}
+        if kept != now:
+            raise AssertionError(f"staleness pacing: kept slacks {kept} are not the live groups' {now}")
+
     # ------------------------------------------------------------------ the rules
     def protect(self, taken: list[Group], live: list[Group]) -> list[Group]:
         """At the start of the step: protect the groups of ``taken`` (the buffer's, in its priority
         order) suspended ``max_interruptions`` times, as far as they fit; returns ``taken`` in the
-        order to resume them (tightest slack first, the buffer's order within a slack)."""
+        order to resume them (tightest slack first, the buffer's order within a slack). ``live``:
+        the groups of ``taken`` that count (they hold tokens)."""
         if self.max_interruptions is not None:
+            slacks = {g.uid: self._compute_slack(g) for g in live}
+            by_slack = Counter(s for s in slacks.values() if s is not None)
             for group in taken:
                 if group.interruptions < self.max_interruptions or group.complete:
                     continue
-                before = self.slack(group)
+                before = slacks[group.uid] if group.uid in slacks else self._compute_slack(group)
                 if before == 0:
                     continue
-                slacks = [self.slack(g) for g in live if g is not group]
-                if self._fits([*slacks, 0], accepted=0):
+                others = by_slack.copy()
+                if group.uid in slacks and before is not None:
+                    others[before] -= 1
+                others[0] += 1
+                if self._fits(others, accepted=0):
                     self.protected.add(group.uid)
+                    if group.uid in slacks:
+                        slacks[group.uid] = 0
+                        by_slack = others
         return sorted(taken, key=self.order)
 
-    def may_open(self, group: Group, live: list[Group], accepted: int) -> bool:
-        """Whether ``group`` may be opened now; ``live``: the groups that already count."""
-        if any(g is group for g in live):
+    def may_open(self, group: Group, accepted: int) -> bool:
+        """Whether ``group`` may be opened now."""
+        if group.uid in self._counted:
             return True  # already counted (it holds tokens): opening it changes nothing
-        slack = self.slack(group)
+        slack = self._compute_slack(group)
         if slack is None:
             return True
-        return self._fits([*(self.slack(g) for g in live), slack], accepted)
+        return self._fits(self._by_slack + Counter({slack: 1}), accepted)
 
-    def may_accept(self, group: Group, live: list[Group], accepted: int) -> bool:
-        """Whether the passing ``group`` (one of ``live``) may count towards the target now."""
+    def may_accept(self, group: Group, accepted: int) -> bool:
+        """Whether the passing ``group`` (a live one) may count towards the target now."""
         slack = self.slack(group)
         if slack == 0:
             return True
-        others = [s for g in live if g is not group and (s := self.slack(g)) is not None]
+        others = self._by_slack.copy()
+        if slack is not None and group.uid in self._counted:
+            others[slack] -= 1
+        others = +others  # drop the slacks no group has
         limit = max(others, default=-1) if slack is None else slack - 1
         return self._fits(others, accepted + 1, up_to=limit)
 
-    def _fits(self, slacks: Iterable[int | None], accepted: int, up_to: int | None = None) -> bool:
-        """``count(slack <= j) <= (T - accepted) + j * T`` for every ``j`` (up to ``up_to``)."""
-        counted = sorted(s for s in slacks if s is not None)
-        top = counted[-1] if counted else -1
+    def _fits(self, by_slack: Counter[int], accepted: int, up_to: int | None = None) -> bool:
+        """``count(slack <= j) <= (T - accepted) + j * T`` for every ``j`` (up to ``up_to``), the
+        groups given as counts per slack."""
+        slacks = sorted(s for s, n in by_slack.items() if n > 0)
+        top = slacks[-1] if slacks else -1
         if up_to is not None:
             top = min(top, up_to)
-        below = 0
+        below, i = 0, 0
         for j in range(0, top + 1):
-            while below < len(counted) and counted[below] <= j:
-                below += 1
+            while i < len(slacks) and slacks[i] <= j:
+                below += by_slack[slacks[i]]
+                i += 1
             if below > self.target - accepted + j * self.target:
                 return False
         return True

@@ -422,6 +422,7 @@ class _Step:
             return
         if error is None:
             error = self.ctx.work.absorb(t, result, self.draining)
+            self.groups.tokens_changed(t.group_uid)
         if error is None:
             self.s.health.readmit(call.engine_url)
             if t.status.finished:
