@@ -1,4 +1,5 @@
-"""The bench's figures in docs/results.md, docs/calibration.md and docs/bench.md are what their JSON renders.
+"""The bench's figures in the README, docs/results.md, docs/calibration.md and docs/bench.md are what their
+JSON renders.
 
 Every generated block (``<!-- bench-report KIND PATH -->``) must equal ``april-slime bench report``'s
 rendering of the JSON the bench command wrote; a figure typed by hand, or a JSON rerun without its
@@ -17,10 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Which blocks each document must carry: removing one is as wrong as editing it.
 REQUIRED = {
-    "docs/results.md": {"headline", "multi-turn", "bounds"},
+    # the README's first performance figure is measured on real engines, the emulated one beside it
+    "README.md": {"real-readme", "real-checks", "headline"},
+    "docs/results.md": {"headline", "multi-turn", "bounds", "real-readme"},
     "docs/calibration.md": {"reproduce-summary"},
     "docs/bench.md": {"headline", "reproduce-table", "reproduce-statistics", "reproduce-absolute", "fit",
-                      "cpu-engine", "multi-turn", "bounds"},
+                      "cpu-engine", "multi-turn", "bounds", "real", "real-checks", "real-repeat"},
 }
 
 
@@ -125,3 +128,8 @@ def test_the_bounds_table_is_its_json(tmp_path, path):
     band["policies"]["copris@s2"]["stale_discarded_tokens_max"] += 1000
     (tmp_path / path).write_text(json.dumps(data))
     assert check(text, str(tmp_path)) == [f"bounds {path}"]
+
+
+def test_the_readme_leads_with_a_figure_measured_on_real_engines():
+    kinds = [kind for kind, *_ in docs_report.blocks((ROOT / "README.md").read_text(encoding="utf-8"))]
+    assert kinds.index("real-readme") < kinds.index("headline")  # the emulated GPU figure comes after
