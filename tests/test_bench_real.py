@@ -24,6 +24,7 @@ from april_workbench.bench.real.workload import (
 )
 from april_workbench.bench.spec import ENGINE_PRESETS
 from april_workbench.emulator import run_virtual
+from tests.support.bench_predict import predict
 
 TINY = RealWorkload("tiny", rollout_batch_size=2, n_samples_per_prompt=2, eos_rate=1 / 16, max_response_len=64)
 
@@ -223,18 +224,11 @@ def test_emulated_only_prediction_for_a_job_writes_its_json(tmp_path, capsys):
 
 
 def test_predict_takes_the_jobs_shape_from_its_dump(tmp_path, capsys):
-    from april_workbench.bench.cli import main as bench_main
-
     torch = pytest.importorskip("torch")
     dump = tmp_path / "7.pt"
     torch.save({"rollout_id": 7, "samples": [{"response_length": 3 + (g * 5 + j * 11) % 60, "group_index": g}
                                              for g in range(6) for j in range(4)]}, dump)
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"base_preset": "h100-qwen3-4b", "num_engines": 1}))
-    out = tmp_path / "p.json"
-    assert bench_main(["predict", "--lengths", str(dump), "--engine-spec", str(spec), "--rounds", "6",
-                       "--bounds", "-", "--json", str(out)]) == 0
-    (entry,) = json.loads(out.read_text())["workloads"].values()
+    entry = predict(dump, tmp_path, engines=1, rounds=6)
     w = entry["workload"]
     assert (w["rollout_batch_size"], w["n_samples_per_prompt"], w["lengths_file"]) == (6, 4, str(dump))
     assert set(entry["emulated"]) == {"sync", "april", "copris"}

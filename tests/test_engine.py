@@ -915,6 +915,7 @@ async def test_a_call_that_could_not_be_written_goes_again_only_on_a_stale_conne
     import types
 
     import aiohttp
+
     from april_slime.core.transport import HttpTransport
 
     calls: list[str] = []

@@ -8,6 +8,7 @@ import json
 import math
 
 from april_workbench.bench.real.cli import main as real_main
+from tests.support.bench_predict import predict
 
 
 def test_bench_real_quick_runs_every_arm_on_the_real_engines(real_stack, tmp_path, capsys):
@@ -46,7 +47,6 @@ def test_a_slime_rollout_dump_of_the_real_engines_drives_a_prediction(real_stack
     """Item: a job's speed-up from its lengths. A rollout step of a slime job on the real engines
     (the plugin at sync, the tiny model's own stop tokens), saved by slime's own
     ``save_debug_rollout_data``, is read back as the job's groups and predicted from."""
-    from april_workbench.bench.cli import main as bench_main
     from april_workbench.bench.real.slime_dump import slime_rollout_dump
     from april_workbench.bench.real.workload import read_lengths
 
@@ -56,12 +56,7 @@ def test_a_slime_rollout_dump_of_the_real_engines_drives_a_prediction(real_stack
     groups = read_lengths(dump)
     assert sorted(len(g) for g in groups) == [2, 2, 2]
     assert all(1 <= x <= 48 for g in groups for x in g)
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"base_preset": "h100-qwen3-4b", "num_engines": 2}))
-    out = tmp_path / "p.json"
-    assert bench_main(["predict", "--lengths", str(dump), "--engine-spec", str(spec), "--rounds", "5",
-                       "--bounds", "-", "--json", str(out)]) == 0
-    (entry,) = json.loads(out.read_text())["workloads"].values()
+    entry = predict(dump, tmp_path, engines=2, rounds=5)
     assert (entry["workload"]["rollout_batch_size"], entry["workload"]["n_samples_per_prompt"]) == (3, 2)
     assert set(entry["emulated"]) == {"sync", "april", "copris"}
     capsys.readouterr()
