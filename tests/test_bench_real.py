@@ -1,6 +1,6 @@
 """``april-slime bench real``'s logic, on the emulated twin (virtual clock) and hand-built traces:
 arms, the workload's fixed lengths, the rotating rounds, the per-step breakdown, the speed-up and
-its band. The command on real SGLang engines: tests/real/test_bench_real.py."""
+its band. The command on real SGLang engines: tests/real/test_bench_real_engines.py."""
 
 import asyncio
 import json
