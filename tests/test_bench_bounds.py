@@ -17,11 +17,10 @@ import pytest
 
 from april_workbench.bench import ENGINE_PRESETS, Workload
 from april_workbench.bench.band import Variant, gain_retained
-from april_workbench.bench.cli import parse_bounds
 from april_workbench.bench.multiturn import EpisodeDriver, OldestFirstPool, plan_episode
 from april_workbench.bench.multiturn_report import run_pair_band
 from april_workbench.bench.runner import plan, run_benchmark, run_policy
-from april_workbench.bench.workloads import split_label
+from april_workbench.bench.workloads import parse_bounds, split_label
 from april_workbench.emulator import SyntheticLM, run_virtual
 
 SPEC = replace(ENGINE_PRESETS["h100-qwen3-4b"], num_engines=2, kv_capacity_tokens=12_000, train_fixed_s=0.5,

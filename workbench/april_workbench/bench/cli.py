@@ -15,26 +15,10 @@ from typing import Any
 from .report import format_band, format_table, headline, plot
 from .runner import PolicyRun, Progress, StepRecord, plan, run_benchmark
 from .spec import ENGINE_PRESETS, EngineSpec
-from .workloads import MODES, POLICIES, QUICK, QUICK_HTTP, WORKLOADS, Workload
+from .workloads import MODES, POLICIES, QUICK, QUICK_HTTP, WORKLOADS, Workload, parse_bounds
 
 
 # ============================================================================ --set values
-def parse_bounds(text: str) -> tuple[int | None, ...]:
-    """``none,4,2,1`` -> (None, 4, 2, 1); an empty list or ``-``: no bounds (the workload's
-    max_staleness only)."""
-    if text.strip() in ("", "-"):
-        return ()
-    out: list[int | None] = []
-    for item in (t.strip() for t in text.split(",")):
-        if item.lower() in ("none", "unbounded"):
-            out.append(None)
-            continue
-        if not item.isdigit():
-            raise ValueError(f"--bounds {text!r}: expected a comma-separated list of integers >= 0 or none")
-        out.append(int(item))
-    return tuple(out)
-
-
 def _field_kind(annotation: str) -> str:
     """What a dataclass field holds, from its (string) annotation."""
     a = annotation.replace(" ", "")

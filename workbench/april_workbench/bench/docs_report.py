@@ -23,6 +23,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .tables import md_table
+
 # A path holds no white space, so a marker never reaches past its own line (an empty block's end included).
 BEGIN = re.compile(r"<!-- bench-report (?P<kind>[a-z-]+)(?P<paths>(?: \S+)+) -->\n")
 END = "<!-- /bench-report -->"
@@ -33,12 +35,6 @@ WITHIN = 0.10  # the "within +-10%" of the reproduce summary
 def _load(root: str, path: str) -> Any:
     with open(os.path.join(root, path), encoding="utf-8") as fh:
         return json.load(fh)
-
-
-def md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def _seconds(value: float | None) -> str:

@@ -349,3 +349,17 @@ def ideal_throughput(spec: EngineSpec, workload: Workload, stats: LengthStats) -
             "kv_limited_concurrency": batch * spec.num_engines}
 
 
+def parse_bounds(text: str) -> tuple[int | None, ...]:
+    """``none,4,2,1`` -> (None, 4, 2, 1); an empty list or ``-``: no bounds (the workload's
+    max_staleness only)."""
+    if text.strip() in ("", "-"):
+        return ()
+    out: list[int | None] = []
+    for item in (t.strip() for t in text.split(",")):
+        if item.lower() in ("none", "unbounded"):
+            out.append(None)
+            continue
+        if not item.isdigit():
+            raise ValueError(f"--bounds {text!r}: expected a comma-separated list of integers >= 0 or none")
+        out.append(int(item))
+    return tuple(out)

@@ -36,8 +36,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ..cli import parse_bounds
 from ..spec import ENGINE_PRESETS, EngineSpec
+from ..workloads import parse_bounds
 from .rounds import Arm, StepRecord, default_arms, parse_arm, run_rounds
 from .stacks import EmulatedStack, HttpStack, discover, local
 from .stats import summarize, warmup_rounds

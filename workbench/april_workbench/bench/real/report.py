@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..docs_report import md_table
+from ..tables import md_table
 
 WITHIN = 0.10  # an emulated ratio "predicts" a real one within +-10%, or inside the real band
 
