@@ -105,7 +105,7 @@ def test_buffered_samples_served_to_another_rollout_function_carry_the_engines_l
         cluster, tmp_path, prompts):
     args = point_at(make_args(tmp_path, prompts, april_over_sampling_factor=3.0), cluster)
     source = rollout.AprilDataSource(args)
-    run_rollouts(cluster, args, source)
+    run_rollouts(cluster, args, source, until=lambda _: len(source.buffer) > 0)
     # get_samples drops the per-token versions (another rollout function extends the responses),
     # so they are read from the buffer before it hands the groups out
     versions = {t.uid: t.token_versions() for g in source.buffer.groups() for t in g.trajectories}
