@@ -111,13 +111,8 @@ class StalenessPacing:
             if not self._by_slack[counted[1]]:
                 del self._by_slack[counted[1]]
 
-    def counts(self, group: Group) -> bool:
-        return group.uid in self._counted
-
     def check_tracking(self, live: list[Group]) -> None:
-        """With ``cross_check``: the kept slacks are those of ``live`` computed now."""
-        if not self.cross_check:
-            return
+        """The kept slacks are those of ``live`` computed now (``cross_check``)."""
         kept = {uid: slack for uid, (_, slack) in self._counted.items()}
         now = {g.uid: self._compute_slack(g) for g in live}
         if kept != now:
