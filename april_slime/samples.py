@@ -26,6 +26,7 @@ import json
 import math
 from typing import Any
 
+from april_slime.core.columns import token_column
 from april_slime.core.config import AprilConfig, AprilConfigError
 from april_slime.core.keys import MASKED_MEMBERS_KEY, POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
 from april_slime.core.replay import INT32, ReplaySpec, TokenReplay, int32_bytes
@@ -153,13 +154,13 @@ def _le_int32(value: Any) -> bytearray:
 def _int32_tensor(raw: bytes | bytearray | None) -> Any:
     import torch
 
-    return torch.frombuffer(bytearray(raw), dtype=torch.int32) if raw else torch.zeros(0, dtype=torch.int32)
+    return torch.frombuffer(bytearray(bytes(raw)), dtype=torch.int32) if raw else torch.zeros(0, dtype=torch.int32)
 
 
 def _float32_tensor(raw: bytes | bytearray | None) -> Any:
     import torch
 
-    return torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.zeros(0, dtype=torch.float32)
+    return torch.frombuffer(bytearray(bytes(raw)), dtype=torch.float32) if raw else torch.zeros(0, dtype=torch.float32)
 
 
 def _le_float32(value: Any) -> bytearray:
@@ -308,17 +309,17 @@ class SampleCodec:
         if first.group_index is None:
             raise ValueError("prompt samples carry no group_index; the data source must set it")
         uid = str(first.group_index)
-        prompt_ids = self.prompt_ids(first)
+        prompt_ids = token_column(self.prompt_ids(first), f"prompt of group {uid}")  # one, shared
         prompt = first.to_dict()
         prompt["tokens"] = []  # the prompt ids live in the group; never store them twice
         trajectories = [
-            Trajectory(uid=f"{uid}/{i}", group_uid=uid, index_in_group=i, prompt_ids=list(prompt_ids),
+            Trajectory(uid=f"{uid}/{i}", group_uid=uid, index_in_group=i, prompt_ids=prompt_ids,
                        max_new_tokens=self.budget, sampling_seed=sampling_seed(self.seed, uid, i))
             for i in range(self.n)
         ]
         payload = {"prompt_sample": plain(prompt), "group_index": first.group_index,
                    "indices": [s.index for s in samples]}
-        return Group(uid=uid, prompt_ids=list(prompt_ids), trajectories=trajectories,
+        return Group(uid=uid, prompt_ids=prompt_ids, trajectories=trajectories,
                      created_version=current_version, payload=payload)
 
     # ------------------------------------------------------------ groups -> slime samples
@@ -346,12 +347,12 @@ class SampleCodec:
             return self._episode_sample(group, t, current_version)
         Sample = self.slime.Sample
         s = self.prompt_sample(group, t)
-        s.tokens = list(t.prompt_ids) + list(t.response_ids)
+        s.tokens = t.input_ids()
         s.response_length = t.response_length
         # decoded once over the whole response: stage boundaries can split a multi-byte character
-        s.response = (self.tokenizer.decode(t.response_ids, skip_special_tokens=bool(
+        s.response = (self.tokenizer.decode(t.response_ids.tolist(), skip_special_tokens=bool(
             getattr(self.args, "rollout_skip_special_tokens", False))) if t.response_ids else "")
-        s.rollout_log_probs = [float(lp) for lp in t.logprobs]
+        s.rollout_log_probs = t.logprobs.tolist()
         s.loss_mask = self._loss_mask(t.loss_mask, t.token_versions(), current_version)
         s.status = Sample.Status[_STATUS_TO_SLIME[t.status]]
         put_replay(s, t.replay, self.replay, t.uid)
@@ -362,7 +363,7 @@ class SampleCodec:
         """A member masked out of its group (``april_slime.masking``): one placeholder token,
         trained on by nothing."""
         s = self.prompt_sample(group, t)
-        s.tokens = list(t.prompt_ids) + [t.prompt_ids[-1]]
+        s.tokens = t.prompt_ids.tolist() + [t.prompt_ids[-1]]
         s.response, s.response_length = "", 1
         s.rollout_log_probs, s.loss_mask = [0.0], [0]
         s.status, s.remove_sample = self.slime.Sample.Status.FAILED, True

@@ -166,8 +166,8 @@ MUTATIONS: list[Mutation] = [
         what="the Sample codec gives each slime sample its rollout log-probs in reverse order",
         edits=(Edit(
             "april_slime/samples.py",
-            "s.rollout_log_probs = [float(lp) for lp in t.logprobs]",
-            "s.rollout_log_probs = [float(lp) for lp in reversed(t.logprobs)]",
+            "s.rollout_log_probs = t.logprobs.tolist()",
+            "s.rollout_log_probs = t.logprobs.tolist()[::-1]",
         ),),
         tests=("tests/test_sample_codec.py", "tests/test_rollout_slime.py"),
     ),

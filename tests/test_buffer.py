@@ -143,7 +143,7 @@ def test_put_refuses_running_or_misaligned_trajectories():
     with pytest.raises(ValueError, match="still running"):
         buf.put(g)
     g = make_group("bad")
-    g.trajectories[0].logprobs.pop()
+    g.trajectories[0].logprobs = g.trajectories[0].logprobs[:-1]
     with pytest.raises(ValueError, match="do not match"):
         buf.put(g)
     assert len(buf) == 0
@@ -182,7 +182,7 @@ def test_checkpoint_round_trip(tmp_path):
     buf.restarted_groups, buf.restarted_tokens, buf.dropped_groups = 4, 40, 1
     checkpoints(tmp_path, buf).save(0, policy_version=2)
     folder = tmp_path / "ckpt" / "rollout"
-    assert [p.name for p in folder.iterdir()] == ["april_state_0.json"]  # no temporary left behind
+    assert [p.name for p in folder.iterdir()] == ["april_state_0.bin"]  # no temporary left behind
 
     loaded = PartialBuffer(priority="fifo")
     assert checkpoints(tmp_path, loaded).load(0).policy_version == 2
@@ -205,12 +205,12 @@ def test_checkpoint_save_is_atomic_and_refuses_non_json_payload(tmp_path):
     saver = checkpoints(tmp_path, buf)
     saver.save(0, policy_version=None)
     folder = tmp_path / "ckpt" / "rollout"
-    before = (folder / "april_state_0.json").read_text()
+    before = (folder / "april_state_0.bin").read_bytes()
     buf.put(make_group("b", payload=object()))
     with pytest.raises(ValueError, match="not plain JSON"):
         saver.save(0, policy_version=None)
-    assert (folder / "april_state_0.json").read_text() == before
-    assert os.listdir(folder) == ["april_state_0.json"]
+    assert (folder / "april_state_0.bin").read_bytes() == before
+    assert os.listdir(folder) == ["april_state_0.bin"]
 
 
 def test_load_state_validates_before_replacing():

@@ -19,8 +19,6 @@ function ``tests.support.agent_functions.multi_turn``, as ``tests/test_episodes.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from april_slime import rollout
@@ -29,6 +27,7 @@ from april_slime.core.types import TrajectoryStatus
 from tests.support import agent_functions as af
 from tests.support.agent_functions import check_sample, expand
 from tests.support.slime_jobs import make_args, point_at
+from tests.support.state_files import read_plain_state, write_json_state
 
 FUNCTION = "tests.support.agent_functions.multi_turn"
 # 16 calls in flight for a target of 4 groups of 3: at the target about 9 groups are still open,
@@ -70,8 +69,8 @@ def test_a_restart_in_the_middle_of_a_run_loses_and_repeats_nothing(cluster, tmp
     rollout.shutdown()  # the job dies here (after training step 1): its live episodes with it
 
     # what checkpoint 1 holds, read from its file (the buffer itself may still change on the loop)
-    path = source._checkpoints.state_path(1)
-    state = json.loads(path.read_text())
+    folder = source._checkpoints.state_path(1).parent
+    state = read_plain_state(folder, 1)
     members = {}  # sample index -> saved member
     for g in state["buffer"]["groups"]:
         for t in g["trajectories"]:
@@ -86,7 +85,7 @@ def test_a_restart_in_the_middle_of_a_run_loses_and_repeats_nothing(cluster, tmp
     stale = unfinished[min(unfinished)]
     stale.update(response_ids=[5, 6], logprobs=[-0.5, -0.5], version_runs=[[1, 2]], status="aborted",
                  finish_reason="abort", loss_mask=[1, 1])
-    path.write_text(json.dumps(state))
+    write_json_state(folder, 1, state)  # as an earlier version wrote it: that form loads as well
 
     restarted = point_at(make_args(tmp_path, prompts, load=args.save, **SETTINGS), cluster)
     source2 = rollout.AprilDataSource(restarted)

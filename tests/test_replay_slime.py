@@ -17,6 +17,7 @@ from april_slime.core.config import AprilConfigError
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
 from april_workbench.emulator.replay import EmulatedReplay
 from tests.support.slime_jobs import Cluster, make_args, point_at, rollout_until_partial
+from tests.support.state_files import read_plain_state
 
 REPLAY = EmulatedReplay(layers=2, topk=2, num_experts=8, top_p_ids=True, seed=0)
 MOE = dict(use_rollout_routing_replay=True, num_layers=REPLAY.layers, moe_router_topk=REPLAY.topk)
@@ -293,7 +294,7 @@ def test_finished_episodes_keep_their_routing_across_a_restart(moe_cluster, tmp_
         rollout.generate_rollout(args, 0, source)
         source.save(0)
         rollout.shutdown()
-        saved = json.loads(next(tmp_path.rglob("april_state_0.json")).read_text())["buffer"]["groups"]
+        saved = read_plain_state(next(tmp_path.rglob("april_state_0.bin")).parent, 0)["buffer"]["groups"]
         finished = {t["uid"] for g in saved for t in g["trajectories"]
                     if t["episode_sample"] is not None or t["episode_samples"] is not None}
         assert finished, "no finished episode was buffered; the test needs one"

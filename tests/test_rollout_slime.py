@@ -24,6 +24,7 @@ from tests.support.slime_jobs import (
     restart_from_n_loses_and_repeats_nothing,
     rollout_until_partial,
 )
+from tests.support.state_files import read_plain_state
 
 
 # ------------------------------------------------------------------ functions slime loads by path
@@ -284,9 +285,9 @@ def test_save_is_atomic_and_next_to_slimes_state(slime_mode, tmp_path, prompts):
     source = rollout.AprilDataSource(args)
     source.save(3)
     folder = tmp_path / "ckpt" / "rollout"
-    assert sorted(p.name for p in folder.iterdir()) == ["april_state_3.json", "global_dataset_state_dict_3.pt"]
-    state = json.loads((folder / "april_state_3.json").read_text())
-    assert state["format"] == 2 and state["prompt_state"]["sample_offset"] == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["april_state_3.bin", "global_dataset_state_dict_3.pt"]
+    state = read_plain_state(folder, 3)
+    assert state["format"] == 3 and state["prompt_state"]["sample_offset"] == 0
 
 
 def test_a_missing_state_file_stops_the_job_naming_it(slime_mode, tmp_path, prompts):
@@ -297,12 +298,12 @@ def test_a_missing_state_file_stops_the_job_naming_it(slime_mode, tmp_path, prom
     source.save(3)
     source.save(4)
     folder = tmp_path / "ckpt" / "rollout"
-    (folder / "april_state_4.json").unlink()
+    (folder / "april_state_4.bin").unlink()
     fresh = rollout.AprilDataSource(make_args(tmp_path, prompts, load=str(tmp_path / "ckpt")))
     with pytest.raises(StateFileError) as err:
         fresh.load(4)
     message = str(err.value)
-    assert message.startswith(str(folder / "april_state_4.json") + ": missing")
+    assert message.startswith(str(folder / "april_state_4.bin") + ": missing")
     assert "global_dataset_state_dict_4.pt" in message and "checkpoint 3" in message and "\n" not in message
     fresh.load(3)  # the latest complete checkpoint loads
     assert fresh._prompts.sample_group_index == 2
@@ -314,13 +315,13 @@ def test_a_torn_or_corrupt_state_file_raises_naming_it(slime_mode, tmp_path, pro
     source = rollout.AprilDataSource(args)
     source.get_samples(2)
     source.save(0)
-    path = tmp_path / "ckpt" / "rollout" / "april_state_0.json"
-    text = path.read_text()
-    damaged = {"truncated": text[: len(text) // 2], "empty": "", "garbage": "\x00\xff{",
-               "not_a_state": "[1, 2]",
-               "bad_buffer": text.replace('"buffer": {"format": 1', '"buffer": {"format": 9')}[damage]
-    assert damaged != text
-    path.write_text(damaged)
+    path = tmp_path / "ckpt" / "rollout" / "april_state_0.bin"
+    data = path.read_bytes()
+    damaged = {"truncated": data[: len(data) // 2], "empty": b"", "garbage": b"\x00\xff{",
+               "not_a_state": b"[1, 2]",
+               "bad_buffer": data.replace(b'"buffer": {"format": 1', b'"buffer": {"format": 9')}[damage]
+    assert damaged != data
+    path.write_bytes(damaged)
     fresh = rollout.AprilDataSource(make_args(tmp_path, prompts, load=str(tmp_path / "ckpt")))
     with pytest.raises(StateFileError) as err:
         fresh.load(0)
@@ -331,7 +332,7 @@ def test_stale_tmp_files_of_killed_saves_are_removed(slime_mode, tmp_path, promp
     args = make_args(tmp_path, prompts, load=str(tmp_path / "ckpt"))
     folder = tmp_path / "ckpt" / "rollout"
     folder.mkdir(parents=True)
-    stale = [folder / ".april_state_5.json.abc123.tmp", folder / ".april_state_6.json.x.tmp"]
+    stale = [folder / ".april_state_5.bin.abc123.tmp", folder / ".april_state_6.json.x.tmp"]
     for p in stale:
         p.write_text("{half")
     keep = folder / "unrelated.tmp"
@@ -367,7 +368,7 @@ def test_a_snapshot_does_not_follow_later_changes_to_the_buffer(slime_mode, tmp_
     group.payload["prompt_sample"]["label"] = "changed"
     source.buffer.restarted_groups += 1
     source.save(0)
-    state = json.loads((tmp_path / "ckpt" / "rollout" / "april_state_0.json").read_text())
+    state = read_plain_state(tmp_path / "ckpt" / "rollout", 0)
     assert state["buffer"] == saved
 
 
@@ -381,7 +382,7 @@ def test_snapshot_is_what_save_writes(slime_mode, tmp_path, prompts):
     source.snapshot(1)
     source.save(0)
     assert source._prompts.sample_group_index == 8  # the live position is untouched
-    state = json.loads((tmp_path / "ckpt" / "rollout" / "april_state_0.json").read_text())
+    state = read_plain_state(tmp_path / "ckpt" / "rollout", 0)
     assert state["prompt_state"]["sample_group_index"] == 4
     fresh = rollout.AprilDataSource(make_args(tmp_path, prompts, load=args.save))
     fresh._prompts.load(0)  # slime's own file, read by slime's own loader

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from april_slime.core import state_file
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.checkpoint import Snapshot
 from april_slime.core.replay import ReplaySpec, TokenReplay, float32_values, int32_values
@@ -91,15 +92,17 @@ def test_rows_follow_their_tokens_across_an_abort_and_a_resume(binary):
     assert rows_of(t.replay) == want[:4]
 
 
-def test_the_rows_survive_the_buffer_checkpoint():
+def test_the_rows_survive_the_buffer_checkpoint(tmp_path):
     t = trajectory()
     step(t, [10, 11], version=1, abort=True)
     step(t, [12], version=3)
     buffer = PartialBuffer()
     buffer.put(Group(uid="g", prompt_ids=t.prompt_ids, trajectories=[t]))
-    text = Snapshot.take(0, SimpleNamespace(), buffer.state_dict(), 3).text()
+    blocks, _ = Snapshot.take(0, SimpleNamespace(), buffer.state_dict(shared=True), 3).blocks()
+    path = tmp_path / "april_state_0.bin"
+    path.write_bytes(b"".join(bytes(memoryview(b).cast("B")) for b in blocks))
     loaded = PartialBuffer()
-    loaded.load_state_dict(json.loads(text)["buffer"])
+    loaded.load_state_dict(state_file.decode(path)["buffer"])
     [back] = loaded.groups()[0].trajectories
     assert back.replay == t.replay and rows_of(back.replay) == rows_of(t.replay)
 

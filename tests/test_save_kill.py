@@ -92,14 +92,14 @@ def test_an_in_process_hook_stops_a_save_where_a_kill_would(tmp_path, monkeypatc
     folder = tmp_path / "ckpt" / "rollout"
     left = sorted(p.name for p in folder.iterdir())
     assert any(n.endswith(".tmp") for n in left) == (point in ("tmp_partial", "tmp_synced"))
-    assert ("april_state_1.json" in left) == (point in ("renamed", "end"))
+    assert ("april_state_1.bin" in left) == (point in ("renamed", "end"))
     monkeypatch.setattr(checkpoint, "SAVE_POINT_HOOK", None)
     restarted = rollout.AprilDataSource(args)
     if point in ("renamed", "end"):
         restarted.load(1)
         assert restarted._prompts.sample_group_index == 4
     else:
-        with pytest.raises(StateFileError, match="april_state_1.json: missing"):
+        with pytest.raises(StateFileError, match="april_state_1.bin: missing"):
             restarted.load(1)
         restarted.load(0)
         assert restarted._prompts.sample_group_index == 2

@@ -16,7 +16,8 @@ Two rules are applied on ``take``:
   the oldest groups first (by ``created_version``, then by arrival); ``stalest`` takes the highest
   staleness first. Ties always keep arrival order.
 
-The buffer is plain data: ``state_dict`` gives its groups and counters as JSON-ready values and
+The buffer is plain data: ``state_dict`` gives its groups and counters as JSON-ready values (or,
+for a snapshot, sharing the groups' immutable token columns) and
 ``load_state_dict`` validates such a state before replacing anything. It has no files of its own:
 it is persisted only inside the data source's checkpoint file, written and read in the order that
 ``april_slime.core.checkpoint`` owns (atomic, so a restarted job resumes every partial).
@@ -160,12 +161,14 @@ class PartialBuffer:
         return verl_key
 
     # ------------------------------------------------------------------ state (saved by core.checkpoint)
-    def state_dict(self) -> dict[str, Any]:
-        """Groups in arrival order plus the counters. The priority / staleness settings are not
-        saved: they belong to the job's configuration, which may change across a restart."""
+    def state_dict(self, *, shared: bool = False) -> dict[str, Any]:
+        """Groups in arrival order plus the counters, as plain data; with ``shared``, the groups'
+        token columns and replay pieces themselves (immutable: a snapshot's, see
+        ``Group.to_dict``). The priority / staleness settings are not saved: they belong to the
+        job's configuration, which may change across a restart."""
         return {
             "format": STATE_FORMAT,
-            "groups": [g.to_dict() for _, g in self._groups.values()],
+            "groups": [g.to_dict(shared=shared) for _, g in self._groups.values()],
             "counters": {name: getattr(self, name) for name in _COUNTERS},
         }
 

@@ -1,10 +1,13 @@
 """The data source's checkpoint: what is saved with slime checkpoint N, when, and what a kill leaves.
 
-What is saved. One file per checkpoint, ``april_state_<N>.json`` (in ``april_buffer_dir``, default
+What is saved. One file per checkpoint, ``april_state_<N>.bin`` (in ``april_buffer_dir``, default
 ``<save>/rollout/``), holds the whole data-source state: slime's prompt position (``sample_offset``,
 ``epoch_id``, ``sample_group_index``, ``sample_index``, ``metadata``, the fields slime's
-``RolloutDataSource.save`` writes), the partial buffer (every group with its tokens, log-probs and
-per-token versions, plus the buffer's counters) and the policy version. slime's own
+``RolloutDataSource.save`` writes), the partial buffer (every group with its tokens, log-probs,
+per-token versions and replay rows, plus the buffer's counters) and the policy version. The file
+is a JSON index followed by the raw arrays (``core.state_file``): about the raw bytes of the
+tokens, written from the buffer's own pieces without a copy of the state. Files of earlier
+versions (``april_state_<N>.json``, formats 1 and 2) are still read. slime's own
 ``global_dataset_state_dict_<N>.pt`` is still written, with the same prompt position, so slime's
 tools and slime's own data source read a consistent file.
 
@@ -12,6 +15,11 @@ Who carries it out. ``Checkpoints`` (one per data source) holds the snapshots an
 save and load in the order described here; ``AprilDataSource.snapshot`` / ``save`` / ``load``, the
 calls slime and the rollout function make, delegate to it. It is the only persistence path of the
 partial buffer: ``PartialBuffer`` only turns its contents into plain data and back.
+
+Where it runs. A snapshot is taken on the rollout's event loop and shares the buffer's immutable
+token columns, so it costs no copy of the tokens; a save runs in slime's call (the rollout
+actor's thread, not the event loop), and the file's array bytes are written by system calls that
+release the interpreter lock.
 
 Which state. The state of checkpoint N is the state as of the end of ``generate_rollout(N)``: the
 rollout function calls ``AprilDataSource.snapshot(N)`` when step N's samples are complete, and
@@ -35,18 +43,18 @@ written by older versions of this module (format 1, no prompt position) are read
 ``.pt`` for the position.
 
 Write order and what a kill leaves. ``save(N)`` passes these named points (``SAVE_POINTS``), in
-this order; "refused" means ``load(N)`` stops the job naming ``april_state_N.json`` as missing and
+this order; "refused" means ``load(N)`` stops the job naming ``april_state_N.bin`` as missing and
 naming the latest complete checkpoint (N-1), whose state is untouched:
 
 * ``begin``: stale ``.tmp`` files removed, nothing of N written. Restart from N: refused.
 * ``prompt_state_written``: slime's ``.pt`` of N written and fsynced. Restart from N: refused.
-* ``tmp_partial``: half of ``.april_state_N.json.<random>.tmp`` written. Restart from N: refused.
+* ``tmp_partial``: half of ``.april_state_N.bin.<random>.tmp`` written. Restart from N: refused.
 * ``tmp_synced``: the temporary file complete and fsynced, not renamed. Restart from N: refused.
-* ``renamed``: ``april_state_N.json`` complete; the folder fsync is pending, so only a power loss
+* ``renamed``: ``april_state_N.bin`` complete; the folder fsync is pending, so only a power loss
   could still undo the rename. Restart from N: loads N completely.
 * ``end``: the folder fsynced. Restart from N: loads N completely.
 
-The rename of ``april_state_N.json`` is the commit: before it, checkpoint N's data-source state
+The rename of ``april_state_N.bin`` is the commit: before it, checkpoint N's data-source state
 does not exist and every earlier checkpoint is untouched (each N has its own files); after it, the
 whole state of N exists. A re-save of the same N replaces the file atomically (the old complete
 state until the rename; slime's ``.pt``, rewritten first and not atomically, is never read while
@@ -68,7 +76,6 @@ restarts, and checks a ledger).
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import copy
 import json
@@ -81,6 +88,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from april_slime.core import state_file
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.config import AprilConfigError
 from april_slime.core.jsonfile import (
@@ -89,16 +97,17 @@ from april_slime.core.jsonfile import (
     fsync_file,
     read_json,
     remove_stale_tmp,
-    write_text_atomic,
+    write_blocks_atomic,
 )
 
 logger = logging.getLogger(__name__)
 
-STATE_FORMAT = 2
-READABLE_FORMATS = (1, 2)
-STATE_FILE = "april_state_{rollout_id}.json"
+STATE_FORMAT = 3  # 3: binary (core.state_file); 1 and 2: JSON, still read
+READABLE_FORMATS = (1, 2, 3)
+STATE_FILE = "april_state_{rollout_id}.bin"
+JSON_STATE_FILE = "april_state_{rollout_id}.json"  # written by earlier versions; read, never written
 SLIME_STATE_FILE = "global_dataset_state_dict_{rollout_id}.pt"
-_STATE_FILE_RE = re.compile(r"^april_state_(\d+)\.json$")
+_STATE_FILE_RE = re.compile(r"^april_state_(\d+)\.(bin|json)$")
 
 SAVE_POINTS = ("begin", "prompt_state_written", "tmp_partial", "tmp_synced", "renamed", "end")
 KILL_AT_ENV = "APRIL_SLIME_SAVE_KILL_AT"
@@ -159,9 +168,10 @@ def restore_prompt_state(prompts: Any, state: dict[str, Any], args: Any) -> None
 class Snapshot:
     """The data-source state as of the end of one rollout, ready to be written.
 
-    Held as copied plain data, and serialized only by a save: taking one costs a copy of the
-    buffer's token lists (about 1 s for 256 groups x 8 partials x 4000 tokens on a busy 2-core
-    machine), serializing it ten times more, and most rollouts are never saved.
+    It shares the buffer's token columns and replay pieces (``core.columns``: immutable, so what
+    the buffer does later leaves the snapshot as it was); only the small per-trajectory fields and
+    the groups' payloads are copied. Taking one costs microseconds per trajectory, whatever the
+    number of tokens, and serializing happens only in a save.
     """
 
     rollout_id: int
@@ -171,7 +181,7 @@ class Snapshot:
     @classmethod
     def take(cls, rollout_id: int, prompts: Any, buffer_state: dict[str, Any],
              policy_version: int | None) -> Snapshot:
-        """``buffer_state`` must be a fresh ``PartialBuffer.state_dict()`` (its lists are copies);
+        """``buffer_state`` must be a fresh ``PartialBuffer.state_dict(shared=True)`` (or plain);
         the payloads and counters it shares with the live buffer are copied here."""
         position = prompt_state(prompts)
         buffer_state = {**buffer_state, "counters": dict(buffer_state.get("counters", {})),
@@ -185,28 +195,35 @@ class Snapshot:
     def policy_version(self) -> int | None:
         return self.state["policy_version"]
 
-    def text(self) -> str:
-        """The complete state file."""
-        try:
-            return json.dumps(self.state, allow_nan=False, default=_bytes_as_base64)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"rollout {self.rollout_id}: data-source state is not plain JSON ({e})") from e
-
-
-def _bytes_as_base64(obj: Any) -> str:
-    """A trajectory's replay arrays are held as ``bytes`` until a save (``core.replay``)."""
-    if isinstance(obj, bytes):
-        return base64.b64encode(obj).decode("ascii")
-    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+    def blocks(self) -> tuple[Iterator[Any], int]:
+        """The state file's bytes, block by block, and its size (``core.state_file``)."""
+        return state_file.encode(self.state)
 
 
 # ---------------------------------------------------------------------------- files
-def state_file(folder: Path, rollout_id: int) -> Path:
+def state_path_in(folder: Path, rollout_id: int) -> Path:
+    """Where checkpoint ``rollout_id``'s state is written."""
     return folder / STATE_FILE.format(rollout_id=rollout_id)
 
 
+def existing_state_file(folder: Path, rollout_id: int) -> Path | None:
+    """The state file of checkpoint ``rollout_id`` in ``folder``: binary, else an earlier
+    version's JSON; None when neither exists."""
+    for name in (STATE_FILE, JSON_STATE_FILE):
+        path = folder / name.format(rollout_id=rollout_id)
+        if path.exists():
+            return path
+    return None
+
+
+def read_state(path: Path, rollout_id: int) -> dict[str, Any]:
+    """The checked state of a state file of either form; errors name the file."""
+    value = state_file.decode(path) if state_file.is_binary(path) else read_json(path)
+    return parse_state(path, value, rollout_id)
+
+
 def remove_stale_tmp_files(folder: Path) -> list[Path]:
-    return remove_stale_tmp(folder, "april_state_*.json")
+    return remove_stale_tmp(folder, "april_state_*")
 
 
 def complete_checkpoints(folder: Path) -> list[int]:
@@ -281,11 +298,15 @@ class Checkpoints:
         return Path(base) / "rollout" if base else None
 
     def state_path(self, rollout_id: int, *, for_load: bool = False) -> Path | None:
+        """Where checkpoint ``rollout_id`` is saved; for a load, the file that exists there (an
+        earlier version's JSON included), else the binary file's name."""
         folder = self._state_dir(self.args.load if for_load else self.args.save)
-        return state_file(folder, rollout_id) if folder else None
+        if folder is None:
+            return None
+        return (for_load and existing_state_file(folder, rollout_id)) or state_path_in(folder, rollout_id)
 
     def _take(self, rollout_id: int, policy_version: int | None) -> Snapshot:
-        return Snapshot.take(rollout_id, self.prompts, self.buffer.state_dict(), policy_version)
+        return Snapshot.take(rollout_id, self.prompts, self.buffer.state_dict(shared=True), policy_version)
 
     def snapshot(self, rollout_id: int, policy_version: int | None) -> None:
         """Record the state as of the end of rollout ``rollout_id``; ``save(rollout_id)`` writes it
@@ -311,7 +332,11 @@ class Checkpoints:
         if self.args.save:
             sync_slime_state(Path(self.args.save) / "rollout", rollout_id)
         at_save_point("prompt_state_written")
-        write_text_atomic(path, snapshot.text(), at_point=at_save_point)
+        blocks, size = snapshot.blocks()
+        write_blocks_atomic(path, blocks, size, at_point=at_save_point)
+        older = path.with_name(JSON_STATE_FILE.format(rollout_id=rollout_id))
+        with contextlib.suppress(FileNotFoundError):
+            older.unlink()  # an earlier version's file of the same checkpoint: the new one wins
         at_save_point("end")
         logger.info("saved the data-source state of rollout %d (%d buffered groups, %d partial samples) "
                     "to %s", rollout_id, len(self.buffer), self.buffer.num_partial_trajectories(), path)
@@ -334,7 +359,7 @@ class Checkpoints:
         if not path.exists():
             slime_folder = Path(self.args.load) / "rollout" if self.args.load else None
             raise missing_state_error(path, rollout_id, slime_folder)
-        state = parse_state(path, read_json(path), rollout_id)
+        state = read_state(path, rollout_id)
         try:
             self.buffer.load_state_dict(state["buffer"])  # validates before replacing anything
         except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -124,7 +124,7 @@ class AprilConfig:
     )
     buffer_dir: str | None = field(
         default=None,
-        metadata={"help": "Folder of the data-source checkpoint (april_state_<rollout_id>.json: prompt "
+        metadata={"help": "Folder of the data-source checkpoint (april_state_<rollout_id>.bin: prompt "
                           "position and partial buffer); default: <args.save>/rollout (loaded from "
                           "<args.load>/rollout), next to slime's own data-source state."},
     )

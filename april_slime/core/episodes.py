@@ -456,7 +456,7 @@ def _rows_run_before(episode: Episode, input_ids: list[int]) -> TokenReplay | No
         ran = len(t.prompt_ids) + len(t.response_ids)
         if ran <= len(input_ids) and input_ids[:len(t.prompt_ids)] == t.prompt_ids and (
                 input_ids[len(t.prompt_ids):ran] == t.response_ids):
-            return TokenReplay(routed_width=held.routed_width, routed=bytearray(held.routed))
+            return TokenReplay(routed_width=held.routed_width, routed=held.routed.frozen())
     return None
 
 

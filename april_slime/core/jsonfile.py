@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+Buffer = bytes | bytearray | memoryview  # and any object with the buffer protocol (numpy arrays)
+
 TMP_SUFFIX = ".tmp"
+WRITE_BUFFER_BYTES = 8 << 20
 
 
 class StateFileError(ValueError):
@@ -49,19 +52,39 @@ def write_json_atomic(path: str | os.PathLike, value: Any, *,
 def write_text_atomic(path: str | os.PathLike, text: str, *,
                       at_point: Callable[[str], None] | None = None) -> None:
     """``write_json_atomic`` for text that is already serialized."""
+    data = text.encode("utf-8")
+    write_blocks_atomic(path, [data], len(data), at_point=at_point)
+
+
+def write_blocks_atomic(path: str | os.PathLike, blocks: Iterable[Buffer], total: int, *,
+                        at_point: Callable[[str], None] | None = None) -> None:
+    """Write the concatenation of ``blocks`` (``total`` bytes; any objects with the buffer
+    protocol, taken one at a time as the write goes, so a large file is never joined in memory)
+    with the guarantees of ``write_json_atomic``; its ``tmp_partial`` point comes when half of the
+    bytes are written. A block count that does not add up to ``total`` raises ``ValueError`` and
+    leaves nothing behind."""
     path = Path(path)
     point = at_point or (lambda name: None)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(path), suffix=TMP_SUFFIX, dir=path.parent)
     try:
-        data = text.encode("utf-8")
-        with os.fdopen(fd, "wb") as f:
-            half = len(data) // 2
-            f.write(data[:half])
-            f.flush()
-            point("tmp_partial")
-            f.write(data[half:])
-            f.flush()
+        # a large buffer: the blocks of a state file are many small arrays (one per trajectory),
+        # and one system call each would cost more than copying them into it
+        with os.fdopen(fd, "wb", buffering=WRITE_BUFFER_BYTES) as f:
+            written, half = 0, total // 2
+            for block in blocks:
+                view = memoryview(block).cast("B")
+                if written <= half < written + len(view):
+                    _write_all(f, view[:half - written])
+                    point("tmp_partial")
+                    view = view[half - written:]
+                    written = half
+                _write_all(f, view)
+                written += len(view)
+            if written != total:
+                raise ValueError(f"{path}: {written} bytes written where {total} were announced")
+            if total == 0:
+                point("tmp_partial")
             os.fsync(f.fileno())
         point("tmp_synced")
         os.replace(tmp, path)
@@ -74,6 +97,11 @@ def write_text_atomic(path: str | os.PathLike, text: str, *,
         raise
     point("renamed")
     fsync_dir(path.parent)
+
+
+def _write_all(f: Any, view: memoryview) -> None:
+    while view:  # a raw write may take less than it was given (a buffered one takes all)
+        view = view[f.write(view):]
 
 
 def fsync_file(path: str | os.PathLike) -> None:

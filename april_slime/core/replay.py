@@ -50,9 +50,11 @@ observation gets the rows of the one call that ran it as prompt (for the last ob
 rows slime's path gives it too).
 
 **Storage.** Raw little-endian int32 bytes (rows x layers x topk x 4 for the experts): a Python
-list of ints would take about nine times the memory. ``to_dict`` hands out immutable ``bytes``
-copies, so a buffer snapshot (taken every step) costs a memory copy; the checkpoint writer turns
-them into base64 only when it saves (``core.checkpoint``), and ``from_dict`` reads either. Top-p
+list of ints would take about nine times the memory. They are held as immutable pieces
+(``core.columns.ByteChunks``): a reply adds a piece, so a buffer snapshot (taken every step) shares
+them instead of copying (``to_dict(shared=True)``); ``to_dict()`` hands out ``bytes``, and the
+checkpoint writes the pieces as raw arrays (``core.state_file``), the routed experts as uint8 when
+every expert id fits. ``from_dict`` reads bytes, pieces or base64 (a JSON checkpoint's). Top-p
 sets are kept as kept ids plus one count per token (concatenation and truncation need no offset
 arithmetic); slime's offsets are their prefix sums. Log-probs are little-endian float32 bytes,
 the dtype slime keeps them in.
@@ -68,7 +70,11 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
+from april_slime.core.columns import ByteChunks
+
 INT32 = 4  # bytes per stored value (int32 and float32 alike)
+# TokenReplay's arrays, in the order a checkpoint writes them
+_ARRAYS = ("routed", "top_p_ids", "top_p_counts", "top_p_log_probs", "topk_ids", "topk_log_probs")
 
 
 @dataclass(frozen=True)
@@ -177,19 +183,17 @@ def float32_bytes(values: Any) -> bytes:
     return _le_bytes(values, "f")
 
 
-def _copy(raw: bytes | bytearray | None) -> bytes | None:
-    return None if raw is None else bytes(raw)
-
-
-def _read(value: str | bytes | None, what: str) -> bytearray | None:
-    """A saved int32 or float32 array: ``bytes`` (an in-memory state) or base64 (a checkpoint file)."""
+def _read(value: str | bytes | memoryview | tuple | None, what: str) -> ByteChunks | None:
+    """A saved int32 or float32 array: ``bytes`` or a snapshot's pieces (an in-memory state, read
+    without a copy) or base64 (a JSON checkpoint file)."""
     if value is None:
         return None
-    if isinstance(value, (bytes, bytearray)):
-        if len(value) % INT32:
-            raise ValueError(f"{what} holds {len(value)} bytes, not whole int32 values")
-        return bytearray(value)
-    return bytearray(decode_int32(value, what))
+    if isinstance(value, (bytes, bytearray, memoryview, tuple)):
+        raw = ByteChunks(value)
+        if len(raw) % INT32:
+            raise ValueError(f"{what} holds {len(raw)} bytes, not whole int32 values")
+        return raw
+    return ByteChunks(decode_int32(value, what))
 
 
 # ---------------------------------------------------------------- one reply, one trajectory
@@ -217,13 +221,20 @@ class TokenReplay:
     tokens, and the sampler top-k rows (``topk`` ids and log-probs) of its first ``topk_tokens``."""
 
     routed_width: int = 0
-    routed: bytearray | None = None
-    top_p_ids: bytearray | None = None
-    top_p_counts: bytearray | None = None
-    top_p_log_probs: bytearray | None = None
+    routed: ByteChunks | None = None
+    top_p_ids: ByteChunks | None = None
+    top_p_counts: ByteChunks | None = None
+    top_p_log_probs: ByteChunks | None = None
     topk: int = 0
-    topk_ids: bytearray | None = None
-    topk_log_probs: bytearray | None = None
+    topk_ids: ByteChunks | None = None
+    topk_log_probs: ByteChunks | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # every array is held as immutable pieces, whatever a caller assigns (bytes, a bytearray):
+        # the checkpoint's snapshots share them (core.columns)
+        if name in _ARRAYS and value is not None and not isinstance(value, ByteChunks):
+            value = ByteChunks(value)
+        object.__setattr__(self, name, value)
 
     @property
     def routed_rows(self) -> int:
@@ -300,21 +311,25 @@ class TokenReplay:
         if routed is not None:
             keep, rows = routed
             if self.routed is None:
-                self.routed = bytearray()
+                self.routed = ByteChunks()
             self.routed_width = seg.routed_width
             del self.routed[keep * self.routed_width * INT32:]
             self.routed += rows
         if seg.top_p_counts is not None:
             if self.top_p_counts is None:
-                self.top_p_ids, self.top_p_counts = bytearray(), bytearray()
+                self.top_p_ids, self.top_p_counts = ByteChunks(), ByteChunks()
             self.top_p_ids += seg.top_p_ids or b""
             self.top_p_counts += seg.top_p_counts
             if seg.top_p_log_probs is not None:
-                self.top_p_log_probs = (self.top_p_log_probs or bytearray()) + seg.top_p_log_probs
+                if self.top_p_log_probs is None:
+                    self.top_p_log_probs = ByteChunks()
+                self.top_p_log_probs += seg.top_p_log_probs
         if seg.topk_ids is not None:
             self.topk = seg.topk
-            self.topk_ids = (self.topk_ids or bytearray()) + seg.topk_ids
-            self.topk_log_probs = (self.topk_log_probs or bytearray()) + seg.topk_log_probs
+            if self.topk_ids is None:
+                self.topk_ids, self.topk_log_probs = ByteChunks(), ByteChunks()
+            self.topk_ids += seg.topk_ids
+            self.topk_log_probs += seg.topk_log_probs
 
     def truncate(self, prompt_len: int, response_len: int) -> None:
         """Keep what covers the first ``response_len`` response tokens."""
@@ -339,12 +354,14 @@ class TokenReplay:
             offsets.append(total)
         return offsets
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data but for the arrays, which are ``bytes`` (see the module docstring)."""
-        return {"routed_width": self.routed_width, "routed": _copy(self.routed),
-                "top_p_ids": _copy(self.top_p_ids), "top_p_counts": _copy(self.top_p_counts),
-                "top_p_log_probs": _copy(self.top_p_log_probs), "topk": self.topk,
-                "topk_ids": _copy(self.topk_ids), "topk_log_probs": _copy(self.topk_log_probs)}
+    def to_dict(self, *, shared: bool = False) -> dict[str, Any]:
+        """Plain data but for the arrays, which are ``bytes`` (see the module docstring); with
+        ``shared``, the arrays' immutable pieces themselves (a snapshot's: no copy)."""
+        out: dict[str, Any] = {"routed_width": self.routed_width, "topk": self.topk}
+        for name in _ARRAYS:
+            raw = getattr(self, name)
+            out[name] = None if raw is None else (raw.frozen() if shared else bytes(raw))
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TokenReplay:

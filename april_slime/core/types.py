@@ -6,19 +6,27 @@ A ``Trajectory`` is one sample of a prompt group as the scheduler sees it: promp
 generated so far over any number of generate calls ("stages"), the log-prob of every response token
 as reported by the engine at the time it was generated (so after resumption this *is* CoPRIS's
 concatenated log-prob vector), and the policy (weight) version that generated every token, stored
-run-length encoded. These records are plain data and JSON-serialisable, so the buffer can be saved
+run-length encoded. Token ids and log-probs are held as immutable columns (``core.columns``): raw
+bytes per token, nothing for the garbage collector to walk, and shared with the checkpoint's
+snapshots; whatever sequence is assigned to them is converted on assignment. ``to_dict`` turns a
+record into plain data (JSON-ready), and ``from_dict`` reads it back, so the buffer can be saved
 with a checkpoint and loaded in another process.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from april_slime.core.columns import Column, logprob_column, token_column
 from april_slime.core.replay import SegmentReplay, TokenReplay
 from april_slime.core.versions import VersionRuns
+
+# the per-token fields held as columns, and how an assigned sequence becomes one
+_TOKEN_COLUMNS = {"prompt_ids": token_column, "response_ids": token_column, "logprobs": logprob_column}
 
 
 class TrajectoryStatus(str, enum.Enum):
@@ -42,11 +50,11 @@ class Trajectory:
     uid: str  # unique for the whole job: f"{group_uid}/{index_in_group}"
     group_uid: str
     index_in_group: int
-    prompt_ids: list[int]
+    prompt_ids: Column  # int32; assign any sequence of ids
     max_new_tokens: int  # budget for the whole response, across every stage
     sampling_seed: int  # fixed for the sample's life, so a resumed call continues the same stream
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    response_ids: Column = field(default_factory=Column)  # int32
+    logprobs: Column = field(default_factory=Column)  # float64, one per response token
     # policy version of every response token
     version_runs: VersionRuns = field(default_factory=VersionRuns)
     status: TrajectoryStatus = TrajectoryStatus.PENDING
@@ -83,6 +91,12 @@ class Trajectory:
         if not isinstance(self.version_runs, VersionRuns):  # plain pairs: a checkpoint's, a caller's
             self.version_runs = VersionRuns.of(self.version_runs)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        column = _TOKEN_COLUMNS.get(name)
+        if column is not None:
+            value = column(value, f"{self.__dict__.get('uid', 'trajectory')}: {name}")
+        object.__setattr__(self, name, value)
+
     @property
     def response_length(self) -> int:
         return len(self.response_ids)
@@ -93,7 +107,7 @@ class Trajectory:
 
     def input_ids(self) -> list[int]:
         """What a (re)submission sends: prompt plus whatever was generated already."""
-        return self.prompt_ids + self.response_ids
+        return self.prompt_ids.tolist() + self.response_ids.tolist()
 
     @property
     def replay_rows(self) -> int:
@@ -111,8 +125,9 @@ class Trajectory:
         stages left (``TokenReplay.extend``). Nothing is appended when any of it is inconsistent."""
         if len(output_ids) != len(logprobs):
             raise ValueError(f"{self.uid}: {len(output_ids)} tokens but {len(logprobs)} log-probs")
-        # a sum is finite if every term is (one C pass); only a sum that is not looks at each term
-        if not math.isfinite(sum(logprobs)) and not all(math.isfinite(lp) for lp in logprobs):
+        new_ids = token_column(output_ids, f"{self.uid}: output ids")
+        new_logprobs = logprob_column(logprobs, f"{self.uid}: log-probs")
+        if not np.isfinite(new_logprobs.array()).all():
             raise ValueError(f"{self.uid}: non-finite log-prob in engine output")
         if version_runs is None:
             version_runs = VersionRuns.single(version, len(output_ids))
@@ -121,7 +136,7 @@ class Trajectory:
                 version_runs = VersionRuns.of(version_runs, total=len(output_ids))
             except ValueError as e:
                 raise ValueError(f"{self.uid}: {e} (the tokens of the call)") from None
-        if replay is not None and output_ids:
+        if replay is not None and len(new_ids):
             held = self.replay if self.replay is not None else TokenReplay()
             try:
                 held.extend(replay, input_len=len(self.prompt_ids) + len(self.response_ids),
@@ -130,10 +145,10 @@ class Trajectory:
                 raise ValueError(f"{self.uid}: {e}") from None
             self.replay = held
         self.call_versions.append(version)
-        if not output_ids:
+        if not len(new_ids):
             return
-        self.response_ids.extend(output_ids)
-        self.logprobs.extend(logprobs)
+        self.response_ids = self.response_ids.extended(new_ids.array())
+        self.logprobs = self.logprobs.extended(new_logprobs.array())
         self.version_runs.extend_runs(version_runs)
 
     def truncate(self, length: int) -> None:
@@ -171,16 +186,22 @@ class Trajectory:
         self.episode_samples = None
         self.replay = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, shared: bool = False) -> dict[str, Any]:
+        """Plain data (lists; the replay's arrays as ``bytes``). With ``shared``, the token columns
+        and the replay's pieces themselves instead: immutable, so a snapshot holds them without a
+        copy (``core.checkpoint``); ``from_dict`` reads both."""
+        def column(values: Column) -> Any:
+            return values if shared else values.tolist()
+
         return {
             "uid": self.uid,
             "group_uid": self.group_uid,
             "index_in_group": self.index_in_group,
-            "prompt_ids": list(self.prompt_ids),
+            "prompt_ids": column(self.prompt_ids),
             "max_new_tokens": self.max_new_tokens,
             "sampling_seed": self.sampling_seed,
-            "response_ids": list(self.response_ids),
-            "logprobs": list(self.logprobs),
+            "response_ids": column(self.response_ids),
+            "logprobs": column(self.logprobs),
             "version_runs": self.version_runs.plain(),
             "status": self.status.value,
             "finish_reason": self.finish_reason,
@@ -193,7 +214,7 @@ class Trajectory:
             "episode_sample": self.episode_sample,
             "episode_samples": self.episode_samples,
             "sampling_params": self.sampling_params,
-            "replay": None if self.replay is None else self.replay.to_dict(),
+            "replay": None if self.replay is None else self.replay.to_dict(shared=shared),
         }
 
     @classmethod
@@ -215,7 +236,7 @@ class Group:
     """
 
     uid: str
-    prompt_ids: list[int]
+    prompt_ids: Column  # int32, shared with the trajectories (immutable); assign any sequence
     trajectories: list[Trajectory]
     created_version: int = 0  # policy version when the group was first scheduled
     payload: Any = None
@@ -240,11 +261,17 @@ class Group:
     def staleness(self, current_version: int) -> int:
         return max((t.staleness(current_version) for t in self.trajectories), default=0)
 
-    def to_dict(self) -> dict[str, Any]:
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "prompt_ids":
+            value = token_column(value, f"group {self.__dict__.get('uid', '?')}: prompt_ids")
+        object.__setattr__(self, name, value)
+
+    def to_dict(self, *, shared: bool = False) -> dict[str, Any]:
+        """Plain data, or with ``shared`` the columns themselves (``Trajectory.to_dict``)."""
         return {
             "uid": self.uid,
-            "prompt_ids": list(self.prompt_ids),
-            "trajectories": [t.to_dict() for t in self.trajectories],
+            "prompt_ids": self.prompt_ids if shared else self.prompt_ids.tolist(),
+            "trajectories": [t.to_dict(shared=shared) for t in self.trajectories],
             "created_version": self.created_version,
             "payload": self.payload,
             "restarts": self.restarts,

@@ -117,7 +117,7 @@ def test_sigkill_on_real_engines_then_restart_loses_and_repeats_nothing(real_sta
     # where the kill landed: after rollout 2 (mid-save of checkpoint 1), inside it (mid-rollout)
     assert sorted(steps) == ([0, 1, 2] if kill == "save" else [0, 1])
     folder = job / "ckpt" / "rollout"
-    assert (folder / "april_state_0.json").exists() and not (folder / "april_state_1.json").exists()
+    assert (folder / "april_state_0.bin").exists() and not (folder / "april_state_1.bin").exists()
     if kill == "save":
         assert [p.name for p in folder.iterdir() if p.name.endswith(".tmp")], "the save was not killed mid-write"
 
@@ -127,7 +127,7 @@ def test_sigkill_on_real_engines_then_restart_loses_and_repeats_nothing(real_sta
     with pytest.raises(StateFileError) as refused:
         second.load(KILL_SAVE)
     message = str(refused.value)
-    assert message.startswith(str(folder / f"april_state_{KILL_SAVE}.json")) and "\n" not in message
+    assert message.startswith(str(folder / f"april_state_{KILL_SAVE}.bin")) and "\n" not in message
     assert f"checkpoint {KILL_SAVE - 1}" in message, message
     second.load(KILL_SAVE - 1)
     assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")], "a killed save's .tmp file was left"

@@ -91,7 +91,7 @@ def test_partial_buffer_survives_slime_checkpoint_save_and_load(real_stack, tmp_
         real_stack.wait_idle()
     saved = partials(first.data_source)
     assert any(ids for ids, _, _ in saved.values()), "no partial tokens were buffered"
-    assert (tmp_path / "a" / "ckpt" / "rollout" / f"april_state_{saved_id}.json").exists()
+    assert (tmp_path / "a" / "ckpt" / "rollout" / f"april_state_{saved_id}.bin").exists()
     # the trainer's half of the checkpoint; slime only --load-s a folder Megatron has saved into
     (tmp_path / "a" / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(saved_id + 1))
 

@@ -18,7 +18,6 @@ Also here: the router registration race itself, made to happen on the real sglan
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 import yaml
@@ -32,6 +31,7 @@ from tests.support.slime_launcher import (
     launcher_missing,
     wait_for,
 )
+from tests.support.state_files import read_plain_state
 
 BATCH, N = 4, 2
 # responses end at EOS after 24 tokens on average (the stack's weights), some run for hundreds: at a
@@ -98,7 +98,7 @@ def check_batches(samples: dict[int, list[dict]], rollouts: range) -> list[int]:
 
 def buffered_partials(state_dir, rollout_id: int) -> set[int]:
     """The groups that the plugin's checkpoint of ``rollout_id`` holds with generated tokens."""
-    groups = json.loads((state_dir / f"april_state_{rollout_id}.json").read_text())["buffer"]["groups"]
+    groups = read_plain_state(state_dir, rollout_id)["buffer"]["groups"]
     return {int(g["uid"]) for g in groups if any(t["response_ids"] for t in g["trajectories"])}
 
 
@@ -107,14 +107,14 @@ def kill_at_a_partial(job, state_dir, after: int) -> tuple[int, set[int]]:
     tokens (made to happen: the long budget); returns the last checkpoint written when the kill
     landed and its partials (none when the job saved once more in between)."""
     for rollout_id in range(after + 2, after + 1 + KILL_BY):
-        wait_for(state_dir / f"april_state_{rollout_id}.json", job)
+        wait_for(state_dir / f"april_state_{rollout_id}.bin", job)
         if buffered_partials(state_dir, rollout_id):
             assert job.kill_driver() >= 1, "no train.py process of the job to kill"
             break
     else:
         raise AssertionError(f"no checkpoint of {KILL_BY - 1} rollouts held a partial with tokens:\n{job.tail()}")
     assert job.wait() != 0, "the job was not killed"
-    last = max(int(p.stem.rsplit("_", 1)[1]) for p in state_dir.glob("april_state_*.json"))
+    last = max(int(p.stem.rsplit("_", 1)[1]) for p in state_dir.glob("april_state_*.bin"))
     return last, buffered_partials(state_dir, last)
 
 
@@ -183,7 +183,7 @@ def test_april_with_router_dispatch_killed_and_restarted_from_its_checkpoint(clu
     assert sorted(perf) == list(range(last + 1, last + 4)), second.tail()
     assert sum(p["april/resumed_trajectories"] for p in perf.values()) > 0, perf
     trained_groups = check_batches(debug_samples(trained), range(last + 4))
-    final = json.loads((state_dir / f"april_state_{last + 3}.json").read_text())["buffer"]["groups"]
+    final = read_plain_state(state_dir, last + 3)["buffer"]["groups"]
     still_buffered = {int(g["uid"]) for g in final}
     assert partial <= set(trained_groups) | still_buffered, "a buffered partial was lost in the restart"
     assert partial & set(trained_groups[BATCH * (last + 1):]), "no partial buffered at the kill was trained after it"

@@ -43,7 +43,7 @@ def kill_and_restart(tmp_path, prompts, loop, point, slime="standin", shuffle=Fa
     assert restored["step"] == (KILLED_SAVE if committed else KILLED_SAVE - 1)
     if not committed:
         message = refused[0]["message"]
-        assert message.startswith(str(tmp_path / "ckpt" / "rollout" / f"april_state_{KILLED_SAVE}.json"))
+        assert message.startswith(str(tmp_path / "ckpt" / "rollout" / f"april_state_{KILLED_SAVE}.bin"))
         assert "\n" not in message and f"checkpoint {KILLED_SAVE - 1}" in message
     else:
         assert not refused

@@ -248,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         from .docs_report import main as report_main
 
         return report_main(argv[1:])
+    if argv and argv[0] == "scale":
+        from .scale import main as scale_main
+
+        return scale_main(argv[1:])
     if argv and argv[0] == "real":
         from .real.cli import main as real_main
 

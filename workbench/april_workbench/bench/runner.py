@@ -8,7 +8,7 @@ import contextlib
 import hashlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -187,13 +187,17 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
                      concurrency: int | None = None, over_sampling_factor: float | None = None,
                      max_response_len: int | None = None, on_step=None,
                      driver: EpisodeDriver | None = None, token_arrays: bool = True,
-                     max_staleness: int | None | str = WORKLOAD_BOUND) -> PolicyRun:
+                     max_staleness: int | None | str = WORKLOAD_BOUND,
+                     step_probe: Callable[[int], contextlib.AbstractContextManager] | None = None,
+                     cluster_hook: Callable[[EmulatorCluster], None] | None = None) -> PolicyRun:
     """Run one policy for ``workload.steps`` rollout + training steps on a fresh emulated cluster,
     inside the running event loop (virtual: the caller runs this under ``run_virtual``). A
     multi-turn workload runs through an ``EpisodeDriver`` (made here unless given).
     ``token_arrays=False`` (virtual mode) hands the client SGLang's lists instead of the engines'
     token arrays: the same run, slower (the reference the arrays are tested against).
-    ``max_staleness``: the bound of this run (None: unbounded); by default the workload's."""
+    ``max_staleness``: the bound of this run (None: unbounded); by default the workload's.
+    ``step_probe(index)``: a context entered around each step's ``run_step`` alone (what
+    ``bench scale`` measures); ``cluster_hook(cluster)``: called once the cluster has started."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     scale = 1.0 if mode == "virtual" else float(time_scale)
@@ -207,6 +211,8 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
         spec.num_engines, model=SyntheticLM(seed=workload.seed, length=workload.length_model()),
         engine_config=spec.engine_config(time_scale=scale))
     await cluster.start()
+    if cluster_hook is not None:
+        cluster_hook(cluster)
     if driver is None and workload.turns_max:
         driver = EpisodeDriver(workload, cluster.model, budget, time_scale=scale)
     transport: Any = None
@@ -262,7 +268,8 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
                 held_before = driver.snapshot(buffer.groups())
             else:
                 before = {t.uid: t.response_length for g in buffer.groups() for t in g.trajectories}
-            result = await scheduler.run_step(prompts, version)
+            with step_probe(index) if step_probe is not None else contextlib.nullcontext():
+                result = await scheduler.run_step(prompts, version)
             rollout_s = cluster.now() - start
             if driver:
                 tracked, context_sum, held, age = driver.step_done(held_before, result.groups, buffer.groups(),

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from april_slime.core.columns import token_column
 from april_slime.core.types import Group, Trajectory
 from april_workbench.emulator import LengthModel, SyntheticLM
 from april_workbench.emulator.model import prompt_key
@@ -233,10 +234,10 @@ class SyntheticPrompts:
         return head + [self.FILLER_TOKEN] * (self.prompt_len - 4)
 
     def group(self, index: int, current_version: int) -> Group:
-        prompt = self.prompt_ids(index)
+        prompt = token_column(self.prompt_ids(index))  # one column, shared by the group
         uid = f"p{index}"
         trajectories = [
-            Trajectory(uid=f"{uid}/{j}", group_uid=uid, index_in_group=j, prompt_ids=list(prompt),
+            Trajectory(uid=f"{uid}/{j}", group_uid=uid, index_in_group=j, prompt_ids=prompt,
                        max_new_tokens=self.max_new_tokens, sampling_seed=index * self.n + j)
             for j in range(self.n)
         ]

@@ -15,6 +15,7 @@ from typing import Any
 
 from .batch import ContinuousBatch, _Plan
 from .config import EngineConfig
+from .cputime import CpuMeter, timed
 from .model import SampleProfile, SyntheticLM, prompt_key
 from .request import _DONE, _RUNNING, _WAITING, _Request
 
@@ -45,6 +46,7 @@ class EmulatedEngine(ContinuousBatch):
         self.aborted_requests = 0
         self.first_arrival_t: float | None = None
         self.last_reply_t: float | None = None
+        self.cpu = CpuMeter()  # the batching loop's own CPU (a benchmark tells it from the client's)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, origin: float | None = None) -> None:
@@ -52,7 +54,7 @@ class EmulatedEngine(ContinuousBatch):
         self._loop = asyncio.get_running_loop()
         self._origin = self._loop.time() if origin is None else origin
         self._t = self.now()
-        self._task = self._loop.create_task(self._run(), name=f"emulator-{self.name}")
+        self._task = self._loop.create_task(timed(self._run(), self.cpu), name=f"emulator-{self.name}")
         self._task.add_done_callback(self._on_loop_exit)
 
     def _on_loop_exit(self, task: asyncio.Task) -> None:

@@ -11,6 +11,7 @@ from april_slime.core.transport import TransportHTTPError
 
 from .batching import EmulatedEngine
 from .config import EngineConfig
+from .cputime import CpuMeter, timed
 from .model import SyntheticLM
 from .replay import EmulatedReplay
 from .server import EngineHandler, Handler, HttpServer, RouterHandler, bind_socket, wire_form
@@ -159,6 +160,7 @@ class LocalTransport:
         self.token_arrays = token_arrays
         self.transit_s = transit_s
         self.unreachable: set[str] = set()
+        self.cpu = CpuMeter()  # the handlers' own CPU (the engines' loops count theirs)
 
     async def request(self, method: str, url: str, path: str, payload: dict | None,
                       timeout_s: float) -> dict:
@@ -171,7 +173,7 @@ class LocalTransport:
         delay = self.transit_s / 2 if self.transit_s and path in self.TRANSIT_PATHS else 0.0
         if delay:
             await asyncio.sleep(delay)
-        status, body = await asyncio.wait_for(handler.handle(method, path, payload), timeout_s)
+        status, body = await asyncio.wait_for(timed(handler.handle(method, path, payload), self.cpu), timeout_s)
         if delay:
             await asyncio.sleep(delay)
         if not self.token_arrays:

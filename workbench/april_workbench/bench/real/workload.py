@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from april_slime.core.columns import token_column
 from april_slime.core.types import Group, Trajectory
 
 from ..multiturn import EpisodePlan
@@ -250,11 +251,11 @@ class FixedLengthPrompts:
         self.issued = 0
 
     def group(self, index: int, current_version: int) -> Group:
-        prompt = prompt_ids(self.w, index)
+        prompt = token_column(prompt_ids(self.w, index))  # one column, shared by the group
         uid = f"p{index}"
         trajectories = []
         for j in range(self.w.n_samples_per_prompt):
-            t = Trajectory(uid=f"{uid}/{j}", group_uid=uid, index_in_group=j, prompt_ids=list(prompt),
+            t = Trajectory(uid=f"{uid}/{j}", group_uid=uid, index_in_group=j, prompt_ids=prompt,
                            max_new_tokens=1, sampling_seed=index * self.w.n_samples_per_prompt + j)
             if self.w.multi_turn:
                 plan = self.plans[t.uid] = self.lengths.episode(index, j)

@@ -1,0 +1,41 @@
+"""``april-slime bench scale`` at toy sizes: every part runs, the plugin's CPU is told from the
+emulator's, and the checkpoint figures relate to what was buffered (no verdict on speed: these
+are the benchmark's job, and this machine's load moves them)."""
+
+from __future__ import annotations
+
+import json
+
+from april_workbench.bench import scale
+
+
+def test_the_scheduler_cost_splits_the_step_cpu_and_counts_every_call():
+    [unbounded] = [scale.scheduler_cost(64, None, steps=3, max_response_len=1024)]
+    steps = unbounded["steps"]
+    assert len(steps) == 3 and sum(s["engine_calls"] for s in steps) > 0
+    assert all(s["plugin_cpu_s"] > 0 and s["emulator_cpu_s"] >= 0 for s in steps)
+    assert any(s["emulator_cpu_s"] > 0 for s in steps), "the emulator's CPU was not measured"
+    assert unbounded["steps_per_h_charged"] < unbounded["steps_per_h_virtual"]
+
+
+def test_the_checkpoint_cost_reports_a_file_of_the_raw_bytes(tmp_path):
+    plain = scale.checkpoint_cost(500_000, routed=None, folder=tmp_path, repeat=1)
+    routed = scale.checkpoint_cost(3_000, routed=(4, 2), folder=tmp_path, repeat=1)
+    for c in (plain, routed):
+        assert 1.0 <= c["file_over_raw"] < 1.2, c
+        assert c["resident_with_two_snapshots_over_buffer"] < 1.2, c
+    # an int32 id and a float64 log-prob each, plus the process's fixed costs (about 1 MB) spread over
+    # the tokens; a Python list held 68 bytes per token (a pointer and an int, a pointer and a float)
+    assert 12 <= plain["live_bytes_per_token"] < 16
+    # routing rows: 8 int32 per position in memory, written as uint8
+    assert routed["raw_bytes"] < routed["held_bytes"] / 2
+
+
+def test_the_command_writes_its_json(tmp_path, capsys):
+    out = tmp_path / "scale.json"
+    assert scale.main(["--quick", "--n-prime", "64", "--bounds", "2", "--tokens", "20000",
+                       "--routed-tokens", "2000", "--json", str(out), "--dir", str(tmp_path)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["bound"] for r in result["scheduler"]] == [2]
+    assert [c["routed"] for c in result["checkpoint"]] == [None, list(scale.ROUTED)]
+    assert "plugin ms / call" in capsys.readouterr().out
