@@ -78,7 +78,7 @@ class FakeClient:
             raise RequestRejected(f"{engine_url} rejected {rid} with HTTP 400", 400)
         if engine_url in self.wedged:
             await asyncio.Event().wait()
-        key = tuple(input_ids[:PROMPT_LEN])
+        key = tuple(map(int, input_ids[:PROMPT_LEN]))  # a list or an int32 array: the same key
         start = len(input_ids) - PROMPT_LEN
         natural_left = self.natural_length(key, sampling_seed) - start
         n = min(max(natural_left, 1), max_new_tokens)

@@ -14,6 +14,7 @@ experts, top-p ids, sampler top-k) in ``replay_wire``, per-token versions in ``v
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
@@ -303,22 +304,23 @@ def parse_generate_reply(
     )
 
 
-def generate_request(input_ids: list[int], *, max_new_tokens: int, rid: str, sampling_params: dict,
+def generate_request(input_ids: Sequence[int], *, max_new_tokens: int, rid: str, sampling_params: dict,
                      sampling_seed: int, vocab_size: int | None, replay: ReplaySpec, replay_rows: int,
                      where: str) -> dict:
     """The ``/generate`` body of one call (log-probs always asked for, with what training replays);
     ``RequestRejected`` for input ids no engine may see (on SGLang one id outside the vocabulary
-    kills the engine)."""
+    kills the engine). An integer numpy array of ids stays one in the body (the transport encodes
+    it as the JSON list SGLang reads); any other sequence is copied into a list."""
     if max_new_tokens < 1:
         raise ValueError(f"{where}: max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not input_ids:
+    if not len(input_ids):
         raise RequestRejected(f"{where}: no input ids to send")
     try:
         check_token_ids(input_ids, vocab_size, f"{where}: input_ids")
     except ValueError as exc:
         raise RequestRejected(str(exc)) from None
     payload = {
-        "input_ids": list(input_ids),
+        "input_ids": input_ids if isinstance(input_ids, np.ndarray) else list(input_ids),
         "sampling_params": {**sampling_params, "max_new_tokens": max_new_tokens, "sampling_seed": sampling_seed},
         "return_logprob": True,
         "rid": rid,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -106,9 +107,16 @@ def split_logprob_triples(triples: list, where: str) -> tuple[list[float], list[
     return logprobs, token_ids
 
 
-def check_token_ids(ids: list[int], vocab_size: int | None, what: str) -> None:
+def check_token_ids(ids: Sequence[int], vocab_size: int | None, what: str) -> None:
     """Every id must be an int in ``[0, vocab_size)`` (any int >= 0 when the size is unknown).
-    Raises ``ValueError`` naming the first bad position."""
+    Raises ``ValueError`` naming the first bad position. ``ids`` is a list, or a 1-d integer numpy
+    array (a trajectory's input, ``Trajectory.input_array``)."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise ValueError(f"{what}: an array of {ids.dtype} and shape {ids.shape}, not token ids")
+        if not ids.size or (int(ids.min()) >= 0 and (vocab_size is None or int(ids.max()) < vocab_size)):
+            return
+        ids = ids.tolist()  # the loop below names the first bad position
     if not ids:
         return
     # Inputs run to tens of thousands of ids: the common case is checked in C (a count of exact

@@ -106,8 +106,16 @@ class Trajectory:
         return self.max_new_tokens - len(self.response_ids)
 
     def input_ids(self) -> list[int]:
-        """What a (re)submission sends: prompt plus whatever was generated already."""
+        """Prompt plus whatever was generated already, as a list."""
         return self.prompt_ids.tolist() + self.response_ids.tolist()
+
+    def input_array(self) -> np.ndarray:
+        """What a (re)submission sends: prompt plus response as one read-only int32 array. A
+        request holds it until its reply: as a list it would be tens of thousands of Python
+        references per request in flight, each visited by every full garbage collection."""
+        out = np.concatenate([*self.prompt_ids.chunks, *self.response_ids.chunks])
+        out.flags.writeable = False
+        return out
 
     @property
     def replay_rows(self) -> int:

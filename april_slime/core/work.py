@@ -38,6 +38,8 @@ resumed next step. Policies count its calls against the concurrency like any oth
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from april_slime.core.sglang_protocol import EngineError, EngineReplyError, GenerateResult
 from april_slime.core.step_metrics import StepCounters
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
@@ -84,11 +86,11 @@ class TrajectoryWork:
     def settle(self, group: Group) -> None:
         """``group`` leaves the job (returned for training)."""
 
-    def begin_call(self, t: Trajectory) -> tuple[list[int], int]:
+    def begin_call(self, t: Trajectory) -> tuple[Sequence[int], int]:
         if t.response_ids:
             self.counters.resumed_uids.add(t.uid)
         t.status = TrajectoryStatus.RUNNING
-        return t.input_ids(), t.remaining_tokens
+        return t.input_array(), t.remaining_tokens
 
     def unanswered(self, t: Trajectory) -> None:
         if t.status is TrajectoryStatus.RUNNING:

@@ -56,7 +56,8 @@ REQUESTS_PER_ENGINE = 256  # engines of the emulated cluster: N' / this (SGLang'
 
 # ============================================================================ scheduler CPU
 class _GcClock:
-    """Seconds spent in collections of each generation while installed."""
+    """CPU seconds of this thread spent in collections of each generation while installed (CPU,
+    not wall time: on a shared machine a pause's wall time includes other processes' turns)."""
 
     def __init__(self) -> None:
         self.seconds = [0.0, 0.0, 0.0]
@@ -65,9 +66,9 @@ class _GcClock:
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._start = time.perf_counter()
+            self._start = time.thread_time()
         else:
-            self.seconds[info["generation"]] += time.perf_counter() - self._start
+            self.seconds[info["generation"]] += time.thread_time() - self._start
             self.count[info["generation"]] += 1
 
     @contextlib.contextmanager

@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any
 
-from april_slime.core.transport import TransportHTTPError
+from april_slime.core.transport import TransportHTTPError, encode_json
 
 from .batching import EmulatedEngine
 from .config import EngineConfig
@@ -169,7 +169,7 @@ class LocalTransport:
         if handler is None or url in self.unreachable:
             raise ConnectionRefusedError(f"cannot connect to {url}")
         if self.copy_payloads and payload is not None:
-            payload = json.loads(json.dumps(payload))
+            payload = json.loads(encode_json(payload))
         delay = self.transit_s / 2 if self.transit_s and path in self.TRANSIT_PATHS else 0.0
         if delay:
             await asyncio.sleep(delay)

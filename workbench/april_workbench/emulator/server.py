@@ -289,9 +289,10 @@ def parse_generate(payload: Any, vocab_size: int) -> dict[str, Any]:
     input_ids = body.get("input_ids")
     if input_ids is None:
         raise BadRequest("Either text, input_ids or input_embeds should be provided.")
-    if not isinstance(input_ids, list):
+    # a list, as JSON gives it; in process (LocalTransport) the client's own int32 array as it is
+    if not isinstance(input_ids, (list, np.ndarray)):
         raise BadRequest("input_ids must be a list of token ids", schema=True)
-    if not input_ids:
+    if not len(input_ids):
         raise BadRequest("input_ids cannot be empty.")
     try:
         check_token_ids(input_ids, vocab_size, "input_ids")  # the client's check: in C, for long inputs
