@@ -45,9 +45,9 @@ _OWNERS = {
     "for_job": "april_slime.settings",
     "TOKEN_VERSIONS_KEY": "april_slime.core.keys",
     "POLICY_VERSION_KEY": "april_slime.core.keys",
-    "read_samples": "april_slime.loss",
-    "SlimeMicrobatch": "april_slime.loss",
-    "token_versions": "april_slime.loss",
+    "read_samples": "april_slime.loss_batch",
+    "SlimeMicrobatch": "april_slime.loss_batch",
+    "token_versions": "april_slime.loss_batch",
 }
 
 __all__ = ["SLIME_FLAGS", *_OWNERS]

@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from april_slime import settings, slime_compat
+from april_slime import job_checks, settings, slime_compat
 from april_slime.core import checkpoint
 from april_slime.core.buffer import PartialBuffer
-from april_slime.core.config import AprilConfig, AprilConfigError
+from april_slime.core.config import AprilConfig
 from april_slime.core.replay import TokenReplay
 from april_slime.core.types import Group
 from april_slime.generate_functions import load_generate_function
-from april_slime.samples import SampleCodec, Slime, leaves, replay_spec
+from april_slime.samples import SampleCodec, Slime, leaves
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +28,14 @@ def load_config(args: Any) -> AprilConfig:
     """The validated plugin settings of a slime job, cross-checked with slime's own arguments.
 
     Any problem raises ``AprilConfigError`` with one line naming the key, which stops the job at
-    start (the data source is built when slime's rollout manager starts).
+    start (the data source is built when slime's rollout manager starts, before the trainer and the
+    first rollout): every refusal that needs only the settings and slime's arguments runs here
+    (``april_slime.job_checks``), the loss hooks' and VCPO's included.
     """
-    slime_compat.check_job(args)
+    job_checks.check_rollout(args)
     config = settings.for_job(args).rollout
     for note in slime_compat.notes(args):
         logger.warning("april_slime: %s", note)
-    if getattr(args, "rollout_max_response_len", None) is None:
-        raise AprilConfigError("rollout_max_response_len: must be set; it is the response budget that "
-                               "partial rollouts are resumed against")
-    replay_spec(args)  # its settings are checked at start
     return config
 
 

@@ -16,11 +16,11 @@ every key that names a setting without its prefix (``policy``) or nearly names o
 is slime's or Megatron's own, and none of those is a near miss of a setting (checked against
 slime's parser by ``tests/real``). Each refusal names the closest valid key.
 
-Start-time refusals. Every refusal that depends only on the settings and slime's arguments runs in
-``check_job``, once per job, wherever the job first asks for its settings: a combination the
-plugin cannot serve stops the job before its first rollout or micro-batch, with one line naming the
-key. What needs the running job to decide (the data-parallel layout VCPO's baseline meets, the
-engines' replies, the batch's contents) is refused where it is first known.
+Start-time refusals. ``for_job`` runs ``april_slime.job_checks.check_job`` once per job, wherever
+the job first asks for its settings (the plugin's data source, when slime's rollout manager starts):
+every refusal that needs only the settings and slime's arguments stops the job there, before its
+first rollout, with one line naming the key. What needs the running job to decide is refused where
+it is first known (``april_slime.job_checks`` says which).
 """
 
 from __future__ import annotations
@@ -31,14 +31,13 @@ import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
+from april_slime import job_checks
 from april_slime.core.config import AprilConfig, AprilConfigError, coerce
 from april_slime.core.keys import SETTING_PREFIX
 from april_slime.training.settings import LossSettings, LossSettingsError
 
 # How close a custom-YAML key must be to a setting's name to be taken for a misspelling of it.
 NEAR_MISS_CUTOFF = 0.85
-# the loss hook that implements the plugin's objectives (refusals below apply when a job names it)
-CUSTOM_LOSS_PATH = "april_slime.loss.policy_loss"
 
 
 @dataclass(frozen=True)
@@ -103,27 +102,12 @@ def for_job(args: Any) -> JobSettings:
         if hit is not None and hit[0] is args:
             return hit[1]
     settings = JobSettings.from_args(args)
-    check_job(args, settings)
+    job_checks.check_job(args, settings.rollout, settings.loss)
     with _LOCK:
         if len(_JOBS) >= _MAX_JOBS:
             _JOBS.pop(next(iter(_JOBS)))
         _JOBS[id(args)] = (args, settings)
     return settings
-
-
-def check_job(args: Any, settings: JobSettings) -> None:
-    """The start-time refusals: settings combined with slime arguments they cannot serve."""
-    settings.rollout.check_against_slime(args)
-    loss = settings.loss
-    if loss.is_mode == "decoupled" and getattr(args, "use_rollout_logprobs", False):
-        raise AprilConfigError("april_is_mode: decoupled needs the recomputed proximal log-probs; drop slime's "
-                               "--use-rollout-logprobs")
-    if getattr(args, "custom_loss_function_path", None) == CUSTOM_LOSS_PATH:
-        if getattr(args, "advantage_estimator", None) == "cispo":
-            raise AprilConfigError("april_is_mode: the custom loss implements PPO/GSPO objectives, not CISPO; "
-                                   "use slime's policy_loss with april_slime.loss.tis instead")
-        if getattr(args, "use_opsm", False):
-            raise AprilConfigError("april_is_mode: --use-opsm is not supported by the custom loss")
 
 
 # ---------------------------------------------------------------------------- misspelled keys

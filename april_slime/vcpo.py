@@ -5,14 +5,17 @@ independent controls of the variance of an importance-weighted policy gradient, 
 training wing: the ESS learning-rate rule (``april_slime.training.ess.EssLrScaler``) and the
 off-policy optimal baseline applied by linearity (``april_slime.training.grad_norms`` for the
 exact per-sample norms, ``april_slime.training.baseline`` for the loss side and the folding).
-The importance-weight and ESS formulas themselves belong to ``april_slime.training.offpolicy``.
+The importance-weight formulas belong to ``april_slime.training.offpolicy``, the ESS statistics
+to ``april_slime.training.ess``.
 
 This module owns what ties them to one slime job: ``VcpoRuntime`` (built from the job's
-``LossSettings``), the settings VCPO refuses (``check_settings``), the per-step log line, the saved
-rho_on estimate, and the entry points (docs/vcpo.md has the exact call order inside slime's
-Megatron loop): ``before_train_step`` (``--custom-megatron-before-train-step-hook-path``) and
-``opob_advantages`` (``--custom-advantage-function-path``); ``april_slime.loss.policy_loss`` (the
-custom loss) feeds ``runtime().lr_scaler`` and calls ``opob_policy_loss``.
+``LossSettings``), the per-step log line, the saved rho_on estimate, and the entry points
+(docs/vcpo.md has the exact call order inside slime's Megatron loop): ``before_train_step``
+(``--custom-megatron-before-train-step-hook-path``) and ``opob_advantages``
+(``--custom-advantage-function-path``); ``april_slime.loss.policy_loss`` (the custom loss) feeds
+``runtime().lr_scaler`` and calls ``opob_policy_loss``. The setups VCPO refuses are
+``april_slime.job_checks.check_vcpo``'s, run at job start; ``before_train_step`` runs it again with
+the data-parallel size, which is known only once Megatron has built its process groups.
 
 torch is imported at module level: this module is only used on the training side.
 """
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from april_slime import settings
+from april_slime import job_checks, settings
 from april_slime.core.config import AprilConfigError
 from april_slime.core.keys import MASKED_MEMBERS_KEY, OPOB_GROUP_KEY
 from april_slime.training.baseline import OpobAccumulator, OpobOptions
@@ -44,7 +47,6 @@ __all__ = [
     "VcpoRuntime",
     "runtime",
     "reset_runtime",
-    "check_settings",
     "before_train_step",
     "opob_advantages",
 ]
@@ -246,19 +248,11 @@ def _log_to_slime(args: Any, rollout_id: int, step_id: int, values: dict[str, fl
     if (mpu.get_data_parallel_rank(with_context_parallel=True) != 0 or mpu.get_tensor_model_parallel_rank() != 0
             or mpu.get_pipeline_model_parallel_rank() != mpu.get_pipeline_model_parallel_world_size() - 1):
         return
-    per_rollout = steps_per_rollout(args)
+    per_rollout = job_checks.steps_per_rollout(args)
     log = {f"train/{k}": v for k, v in values.items()}
     log["train/step"] = rollout_id * per_rollout + step_id
     logging_utils.log(args, log, step_key="train/step")
     logger.info("vcpo step %d: %s", log["train/step"], log)
-
-
-def steps_per_rollout(args: Any) -> int:
-    """slime's optimizer steps per rollout: rollout_batch_size * n_samples_per_prompt // global_batch_size."""
-    try:
-        return max(1, int(args.rollout_batch_size) * int(args.n_samples_per_prompt) // int(args.global_batch_size))
-    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
-        return 1
 
 
 _RUNTIME: VcpoRuntime | None = None
@@ -276,92 +270,6 @@ def reset_runtime() -> None:
     _RUNTIME = None
 
 
-def check_settings(args: Any, config: LossSettings, dp_size: int = 1) -> None:
-    """Refuse, in one ``AprilConfigError``, every setup the enabled VCPO controls cannot serve."""
-    if not (config.vcpo_lr_scaling or config.vcpo_baseline):
-        return
-    loss_type = getattr(args, "loss_type", None)
-    if loss_type is not None and loss_type != "custom_loss":
-        raise AprilConfigError(
-            "april_vcpo_lr_scaling / april_vcpo_baseline are fed by the custom loss: set --loss-type custom_loss "
-            f"--custom-loss-function-path april_slime.loss.policy_loss (got --loss-type {loss_type})")
-    if not config.vcpo_baseline:
-        return
-    estimator = getattr(args, "advantage_estimator", None)
-    checks = [
-        (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1,
-        (getattr(args, "context_parallel_size", 1) or 1) > 1,
-        bool(getattr(args, "overlap_grad_reduce", False)),
-        bool(getattr(args, "use_kl_loss", False)),
-        float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0,
-        bool(getattr(args, "recompute_loss_function", False)),
-        config.is_mode != "copris",
-        config.is_level != "sequence",
-        config.loss_level != "token" or estimator in ("gspo", "cispo"),
-        config.vcpo_length_norm and bool(getattr(args, "calculate_per_token_loss", False)),
-    ]
-    reasons = [
-        "pipeline parallelism (only the last stage sees the rewards)",
-        "context parallelism (sequences split across ranks)",
-        "--overlap-grad-reduce (gradients must stay local until the baseline is applied)",
-        "--use-kl-loss (the baseline is defined for the pure policy-gradient loss)",
-        "a non-zero --entropy-coef (same reason)",
-        "--recompute-loss-function (the loss would register its micro-batch twice)",
-        f"april_is_mode={config.is_mode} (the baseline is derived for the importance-weighted REINFORCE "
-        "estimator against the rollout log-probs: set april_is_mode: copris; decoupled and on_policy clip "
-        "around the recomputed policy, which has no per-trajectory baseline)",
-        f"april_is_level={config.is_level} (one weight per trajectory: set april_is_level: sequence)",
-        f"april_loss_level={config.loss_level} / --advantage-estimator {estimator} (the baselined loss is "
-        "REINFORCE, not a GSPO or CISPO objective)",
-        "april_vcpo_length_norm with --calculate-per-token-loss (the loss would be divided by the lengths twice)",
-    ]
-    bad = [r for c, r in zip(checks, reasons) if c]
-    if config.vcpo_baseline_scope == "group":
-        bad += _group_scope_problems(args, dp_size)
-    if bad:
-        raise AprilConfigError("april_vcpo_baseline: not supported with " + "; ".join(bad))
-
-
-def groups_across_ranks(args: Any, dp_size: int) -> bool:
-    """Whether slime's static schedule spreads each prompt group over the data-parallel ranks:
-    micro-batches smaller than a group go to the ranks round-robin (VCPO's one sample per
-    micro-batch among them), so every rank holds a part of every group, at the same micro-batches."""
-    n = getattr(args, "n_samples_per_prompt", None)
-    mbs = getattr(args, "micro_batch_size", None)
-    return bool(dp_size > 1 and n and mbs and mbs < n)
-
-
-def _group_scope_problems(args: Any, dp_size: int) -> list[str]:
-    """The group scope folds each prompt group when its last sample's backward has run, so a
-    group must lie in consecutive micro-batches that hold no other group: on one rank, or, spread
-    over the data-parallel ranks (``groups_across_ranks``), at the same micro-batches of each."""
-    n = getattr(args, "n_samples_per_prompt", None)
-    mbs = getattr(args, "micro_batch_size", None)
-    gbs = getattr(args, "global_batch_size", None)
-    out = []
-    hint = "; or set april_vcpo_baseline_scope: global"
-    if getattr(args, "use_dynamic_batch_size", False):
-        out.append("april_vcpo_baseline_scope: group with --use-dynamic-batch-size (its packing mixes prompt "
-                   f"groups in a micro-batch): use --micro-batch-size 1 or {n or 'n_samples_per_prompt'}{hint}")
-    elif n and mbs and n % mbs:
-        out.append(f"april_vcpo_baseline_scope: group with --micro-batch-size {mbs} (it must divide "
-                   f"--n-samples-per-prompt {n} so that no micro-batch holds two prompt groups){hint}")
-    elif groups_across_ranks(args, dp_size):
-        if n % (mbs * dp_size):
-            out.append(f"april_vcpo_baseline_scope: group with --micro-batch-size {mbs} on {dp_size} data-parallel "
-                       f"ranks (--n-samples-per-prompt {n} must be a multiple of {mbs * dp_size}, or equal "
-                       f"--micro-batch-size, so that each prompt group lies at the same micro-batches of every "
-                       f"rank){hint}")
-        if getattr(args, "balance_data", False):
-            out.append(f"april_vcpo_baseline_scope: group with --micro-batch-size {mbs} < --n-samples-per-prompt "
-                       f"{n} and --balance-data on {dp_size} data-parallel ranks (its partition puts a group's "
-                       f"micro-batches at different positions on the ranks){hint}")
-    if n and gbs and gbs % n:
-        out.append(f"april_vcpo_baseline_scope: group with --global-batch-size {gbs} (not a multiple of "
-                   f"--n-samples-per-prompt {n}: a group would be split between optimizer steps){hint}")
-    return out
-
-
 def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) -> None:
     """slime ``--custom-megatron-before-train-step-hook-path`` entry point.
 
@@ -372,8 +280,7 @@ def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_sch
     """
     global _RUNTIME
     if _RUNTIME is None:
-        config = settings.for_job(args).loss
-        check_settings(args, config)
+        config = settings.for_job(args).loss  # the job's start-time checks, VCPO's included
         tp = dp = (0, 1, None)
         if config.vcpo_baseline:
             from megatron.core import mpu  # lazy: only inside a Megatron job
@@ -381,11 +288,11 @@ def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_sch
             tp = (mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(),
                   mpu.get_tensor_model_parallel_group())
             dp = (mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), mpu.get_data_parallel_group())
-            if dp[1] > 1:
-                check_settings(args, config, dp_size=dp[1])
+            if dp[1] > 1:  # the group scope's layouts on several ranks, known only now
+                job_checks.check_vcpo(args, config, dp_size=dp[1])
         rt = VcpoRuntime(config, args=args)
         rt.attach_model(model, tp_rank=tp[0], tp_size=tp[1], tp_group=tp[2], dp_group=dp[2],
-                        groups_across_ranks=groups_across_ranks(args, dp[1]))
+                        groups_across_ranks=job_checks.groups_across_ranks(args, dp[1]))
         _RUNTIME = rt
     rt = _RUNTIME
     if rt.lr_scaler is not None or rt.opob is not None:

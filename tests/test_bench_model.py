@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from april_slime.core.versions import VersionRuns
 from april_workbench.bench import ENGINE_PRESETS, Workload, run_benchmark
 from april_workbench.bench.dispatch import SplitDispatch
 from april_workbench.bench.fit import step_seconds, verl_training
@@ -129,7 +130,7 @@ def test_laws_meet_the_statistics_they_are_solved_for():
 def test_carried_tokens_count_what_a_resumed_sample_made_before_its_abort():
     class T:
         def __init__(self, runs):
-            self.version_runs = runs
+            self.version_runs = VersionRuns.of(runs)
 
     class G:
         def __init__(self, *t):

@@ -92,7 +92,7 @@ def test_staleness_restart_resets_group_and_counts_tokens():
     restarted = taken["old"]
     assert restarted.restarts == 1
     for t in restarted.trajectories:
-        assert t.response_ids == [] and t.logprobs == [] and t.version_runs == []
+        assert t.response_ids == [] and t.logprobs == [] and t.version_runs.plain() == []
         assert t.status is TrajectoryStatus.PENDING and t.reward is None
         assert t.num_calls >= 0
     # rids stay unique after a restart: the call counter is not rewound
@@ -188,7 +188,7 @@ def test_checkpoint_round_trip(tmp_path):
     assert checkpoints(tmp_path, loaded).load(0).policy_version == 2
     assert loaded.state_dict() == buf.state_dict()
     t = loaded.groups()[0].trajectories[1]
-    assert t.version_runs == [[0, 2], [2, 3]]
+    assert t.version_runs.plain() == [[0, 2], [2, 3]]
     assert t.logprobs == [-0.25, -0.25, -0.1, -1.5e-8, -3.25]
     assert t.status is TrajectoryStatus.ABORTED
     assert loaded.groups()[0].payload == {"label": "42", "idx": 7}

@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from april_slime.core.config import AprilConfig, AprilConfigError
-from april_slime.settings import JobSettings, check_job, for_job, settings_table_markdown
+from april_slime.job_checks import check_job
+from april_slime.settings import JobSettings, for_job, settings_table_markdown
 from april_slime.training import baseline, offpolicy
 from april_slime.training import settings as loss_settings
 from april_slime.training.settings import LossSettings
@@ -71,7 +72,8 @@ def test_cross_checks_with_slime_args():
         config.check_against_slime(SimpleNamespace(rollout_batch_size=8, n_samples_per_prompt=8))
     config.check_against_slime(SimpleNamespace(rollout_batch_size=8, n_samples_per_prompt=4))
     with pytest.raises(AprilConfigError, match="april_is_mode"):
-        check_job(SimpleNamespace(use_rollout_logprobs=True), JobSettings.from_dict({"is_mode": "decoupled"}))
+        job = JobSettings.from_dict({"is_mode": "decoupled"})
+        check_job(SimpleNamespace(use_rollout_logprobs=True), job.rollout, job.loss)
     # the live-episode cap holds whole groups: below one group nothing could ever open
     capped = AprilConfig.from_dict({"max_live_episodes": 6})
     with pytest.raises(AprilConfigError, match=r"april_max_live_episodes: must be >= n_samples_per_prompt \(8\)"):

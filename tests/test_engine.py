@@ -479,7 +479,7 @@ async def test_a_version_offset_moves_every_version_the_engines_report(server):
     client = EngineClient([server.url], version_offset=10, **FAST)
     try:
         result = await call_generate(client, server.url)
-        assert result.weight_version == 12 and result.version_runs == [[11, 2], [12, 1]]
+        assert result.weight_version == 12 and result.version_runs.plain() == [[11, 2], [12, 1]]
         assert await client.weight_version(server.url) == 12
         assert await client.engine_weight_version(server.url) == 2
     finally:
@@ -714,13 +714,13 @@ def test_weight_versions_spans_give_per_token_versions():
                                              {"version": "4", "start": 2, "end": 3}]
     result = _parse(reply)
     assert result.weight_version == 4
-    assert result.version_runs == [[3, 2], [4, 1]]
+    assert result.version_runs.plain() == [[3, 2], [4, 1]]
     # without spans (older SGLang) every token gets the reply's version
-    assert _parse(generate_reply(tokens=[5, 6, 7], version="4")).version_runs == [[4, 3]]
+    assert _parse(generate_reply(tokens=[5, 6, 7], version="4")).version_runs.plain() == [[4, 3]]
     # an aborted reply with no tokens carries one empty span
     empty = generate_reply(tokens=[], finish="abort", version="4")
     empty["meta_info"]["weight_versions"] = [{"version": "4", "start": 0, "end": 0}]
-    assert _parse(empty).version_runs == []
+    assert _parse(empty).version_runs.plain() == []
 
 
 def test_request_aborted_while_queued_has_no_prompt_tokens():

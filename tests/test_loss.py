@@ -9,6 +9,7 @@ import torch
 from april_slime import loss as april_loss
 from april_slime.core.config import AprilConfigError
 from april_slime.training import offpolicy as op
+from april_slime.training.packed import response_log_probs_from_logits
 
 VOCAB = 13
 
@@ -97,7 +98,7 @@ def reducer_for(batch):
 # --------------------------------------------------------------------------------- log-probs
 def test_logits_path_matches_direct_softmax_with_temperature_and_padding():
     batch, logits = make_batch(seed=1)
-    lps, ents = april_loss.response_log_probs_from_logits(
+    lps, ents = response_log_probs_from_logits(
         logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"], temperature=0.7,
         with_entropy=True)
     expected = direct_log_probs(logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"],
@@ -108,7 +109,7 @@ def test_logits_path_matches_direct_softmax_with_temperature_and_padding():
     p = torch.softmax(row, 0)
     torch.testing.assert_close(ents[0][-1], -(p * p.log()).sum())
     with pytest.raises(ValueError, match="positions"):
-        april_loss.response_log_probs_from_logits(logits[:, :5], batch["unconcat_tokens"], batch["total_lengths"],
+        response_log_probs_from_logits(logits[:, :5], batch["unconcat_tokens"], batch["total_lengths"],
                                                   batch["response_lengths"])
 
 
@@ -220,7 +221,7 @@ def test_entropy_and_kl_terms():
                      kl_loss_coef=0.5, kl_loss_type="k3")
     reduce = reducer_for(batch)
     loss, metrics = april_loss.policy_loss(args, batch, logits, reduce)
-    lps, ents = april_loss.response_log_probs_from_logits(
+    lps, ents = response_log_probs_from_logits(
         logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"], 0.7, with_entropy=True)
     flat = torch.cat(lps)
     kl = op.approx_kl(flat, torch.cat(batch["ref_log_probs"]), "k3")

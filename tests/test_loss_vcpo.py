@@ -98,6 +98,9 @@ def make_args(**overrides):
         use_unbiased_kl=False, advantage_estimator="grpo", use_rollout_logprobs=False, rollout_top_p=1.0,
         april_is_mode="copris", april_is_level="sequence", april_is_correction="truncate", april_is_low=0.0,
         april_is_high=1.5, april_loss_level="token",
+        # the hooks a VCPO job names (april_slime.job_checks refuses VCPO without them)
+        custom_megatron_before_train_step_hook_path="april_slime.vcpo.before_train_step",
+        custom_advantage_function_path="april_slime.vcpo.opob_advantages",
     )
     values.update(overrides)
     return Namespace(**values)

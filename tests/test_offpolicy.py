@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from april_slime.training import offpolicy as op
+from april_slime.training.ess import effective_sample_size
+from april_slime.training.staleness import expand_version_runs, staleness_stats
 
 F64 = torch.float64
 
@@ -348,21 +350,21 @@ def ref_ess(weights):
 
 def test_ess_matches_formula_and_limits():
     lw = torch.tensor([0.1, -0.4, 0.9, 0.0, -1.2], dtype=F64)
-    got = op.effective_sample_size(lw)
+    got = effective_sample_size(lw)
     expected = ref_ess([math.exp(x) for x in lw.tolist()])
     assert got.ess == pytest.approx(expected, rel=1e-12)
     assert got.ess_ratio == pytest.approx(expected / 5, rel=1e-12)
     assert got.num_samples == 5
-    assert op.effective_sample_size(torch.full((7,), 3.3)).ess_ratio == pytest.approx(1.0)
-    dominated = op.effective_sample_size(torch.tensor([1000.0, -1000.0, -1000.0, 0.0]))
+    assert effective_sample_size(torch.full((7,), 3.3)).ess_ratio == pytest.approx(1.0)
+    dominated = effective_sample_size(torch.tensor([1000.0, -1000.0, -1000.0, 0.0]))
     assert dominated.ess == pytest.approx(1.0) and dominated.ess_ratio == pytest.approx(0.25)
     valid = torch.tensor([True, False, True, True, False])
-    masked = op.effective_sample_size(lw, valid=valid)
+    masked = effective_sample_size(lw, valid=valid)
     assert masked.ess == pytest.approx(ref_ess([math.exp(lw[i].item()) for i in (0, 2, 3)]))
-    empty = op.effective_sample_size(torch.zeros(0))
+    empty = effective_sample_size(torch.zeros(0))
     assert (empty.ess, empty.ess_ratio, empty.num_samples) == (0.0, 1.0, 0)
     with pytest.raises(op.NonFiniteLogProbError):
-        op.effective_sample_size(torch.tensor([0.0, float("nan")]))
+        effective_sample_size(torch.tensor([0.0, float("nan")]))
 
 
 def test_objective_sequence_log_weights_are_unclipped_behaviour_log_ratios():
@@ -379,14 +381,14 @@ def test_objective_sequence_log_weights_are_unclipped_behaviour_log_ratios():
 
 # ------------------------------------------------------------------------------------ staleness
 def test_expand_version_runs_and_staleness_stats():
-    assert op.expand_version_runs([[3, 2], [5, 1]], 3).tolist() == [3, 3, 5]
-    assert op.expand_version_runs([], 0).tolist() == []
+    assert expand_version_runs([[3, 2], [5, 1]], 3).tolist() == [3, 3, 5]
+    assert expand_version_runs([], 0).tolist() == []
     with pytest.raises(ValueError, match="cover 3 tokens but the response has 4"):
-        op.expand_version_runs([[3, 2], [5, 1]], 4)
+        expand_version_runs([[3, 2], [5, 1]], 4)
     staleness = torch.tensor([0, 0, 1, 2, 5, 9])
     ratio = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     mask = torch.tensor([1, 1, 1, 1, 1, 0])
-    counts, sums = op.staleness_stats(ratio, staleness, mask, 4)
+    counts, sums = staleness_stats(ratio, staleness, mask, 4)
     assert counts.tolist() == [2.0, 1.0, 1.0, 1.0]
     assert sums.tolist() == [3.0, 3.0, 4.0, 5.0]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from april_slime.training import offpolicy as op
+from april_slime.training.ess import effective_sample_size
 from tests.support.gloo import run_on_gloo_ranks
 
 WORLD = 2
@@ -18,10 +18,10 @@ VALID = {0: [True, True, False], 1: [True, True, True, True]}
 def _worker(rank: int, world: int):
     lw = torch.tensor(LOG_WEIGHTS[rank], dtype=torch.float32)
     valid = torch.tensor(VALID[rank])
-    default = op.effective_sample_size(lw, valid=valid)
+    default = effective_sample_size(lw, valid=valid)
     group = dist.new_group([0, 1])
-    grouped = op.effective_sample_size(lw, valid=valid, group=group)
-    local = op.effective_sample_size(lw, valid=valid, reduce=False)
+    grouped = effective_sample_size(lw, valid=valid, group=group)
+    local = effective_sample_size(lw, valid=valid, reduce=False)
     return default.ess, default.ess_ratio, default.num_samples, grouped.ess, local.num_samples
 
 

@@ -18,9 +18,9 @@ import pytest
 from april_slime.core.sglang_protocol import (
     EngineReplyError,
     _checked_lists,
-    _checked_one_by_one,
     check_token_ids,
     output_tokens,
+    output_tokens_reference,
 )
 from april_slime.core.transport import decode_json
 from april_workbench.bench import decode
@@ -34,7 +34,7 @@ def test_whole_list_checks_return_what_the_reference_returns(name, vocab, output
     ids, triples = mutated(name)
     if output_ids == "left out":
         ids = None  # the ids come from the triples alone
-    expected = outcome(_checked_one_by_one, copy.deepcopy(ids), copy.deepcopy(triples), vocab, WHERE)
+    expected = outcome(output_tokens_reference, copy.deepcopy(ids), copy.deepcopy(triples), vocab, WHERE)
     assert outcome(output_tokens, ids, triples, vocab, WHERE) == expected
     fast = _checked_lists(ids, triples, vocab)
     if fast is not None:  # what the fast path vouches for, the reference accepts, with the same lists

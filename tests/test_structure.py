@@ -146,6 +146,52 @@ def oversized(*roots: Path) -> list[str]:
     return problems
 
 
+def plugin_imports(tree: ast.AST) -> list[tuple[int, str, str | None, str | None]]:
+    """(line, module, imported name or None, the local name it is bound to) of every import of the
+    plugin in a workbench file, at any depth."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("april_slime"):
+            found += [(node.lineno, node.module, a.name, a.asname or a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, None, a.asname) for a in node.names if a.name.startswith("april_slime")]
+    return found
+
+
+def plugin_uses(workbench: Path, plugin: Path, declared: set[str] | dict[str, str],
+                public: set[str]) -> tuple[list[str], set[str]]:
+    """What the workbench uses of the plugin beyond ``declared`` (its declared plugin modules) and
+    ``public`` (the names of ``april_slime.__all__``), as 'file:line: what' problems, and the declared
+    modules it does use. A private name is a problem wherever it comes from: imported
+    (``from april_slime.core.x import _y``) or read off a plugin module (``x._y``)."""
+
+    def is_module(dotted: str) -> bool:
+        path = plugin.parent.joinpath(*dotted.split("."))
+        return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+    problems, used = [], set()
+    for path, root in sources(workbench):
+        rel = path.relative_to(root.parent)
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        bound: dict[str, str] = {}  # local name -> the plugin module it stands for
+        for line, module, name, alias in plugin_imports(tree):
+            target = f"{module}.{name}" if name is not None and is_module(f"{module}.{name}") else module
+            if name is not None and target == module and name.startswith("_"):
+                problems.append(f"{rel}:{line}: private name {module}.{name}")
+            if target == "april_slime" and name in public:
+                continue
+            if target not in declared:
+                problems.append(f"{rel}:{line}: {target} is not declared in april_workbench.PLUGIN_MODULES")
+            used.add(target)
+            if target != module or name is None:
+                bound[alias or target] = target
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                    and node.attr.startswith("_")):
+                problems.append(f"{rel}:{node.lineno}: private name {bound[node.value.id]}.{node.attr}")
+    return problems, used
+
+
 # ------------------------------------------------------------------------------------ the packages
 def test_no_import_crosses_a_wall():
     assert wall_crossings(PACKAGE, WORKBENCH) == []
@@ -164,6 +210,15 @@ def test_every_room_is_where_the_architecture_page_says():
     assert {room_of(module_name(p, WORKBENCH)) for p in WORKBENCH.rglob("*.py")} == {"workbench"}
     for entry in ("rollout", "loss", "vcpo", "settings"):
         assert room_of(f"april_slime.{entry}") == "face"
+
+
+def test_the_workbench_uses_the_plugin_only_through_its_declared_doors():
+    import april_slime
+    from april_workbench import PLUGIN_MODULES
+
+    problems, used = plugin_uses(WORKBENCH, PACKAGE, PLUGIN_MODULES, set(april_slime.__all__))
+    assert problems == []
+    assert set(PLUGIN_MODULES) == used, "declared but no longer used: " + ", ".join(sorted(set(PLUGIN_MODULES) - used))
 
 
 # ------------------------------------------------------------------------------------ the checker
@@ -221,6 +276,29 @@ def test_the_checker_sees_a_cycle_and_an_oversized_class(tmp_path):
                                f"(at most {MAX_CLASS_LINES})"]
 
 
+@pytest.mark.parametrize("text, problem", [
+    ("from april_slime.core.engine import EngineClient\n", "april_slime.core.engine is not declared"),
+    ("from april_slime.core import engine\n", "april_slime.core.engine is not declared"),
+    ("import april_slime.core.engine\n", "april_slime.core.engine is not declared"),
+    ("def f():\n    from april_slime.core.types import _private\n", "private name april_slime.core.types._private"),
+    ("from april_slime.core import types\ntypes._hidden()\n", "private name april_slime.core.types._hidden"),
+    ("from april_slime import loss as plugin_loss\nplugin_loss._helper\n", "private name april_slime.loss._helper"),
+])
+def test_the_workbench_checker_sees_each_undeclared_use(tmp_path, text, problem):
+    plugin, workbench = _tree(tmp_path, {"core/engine.py": "", "core/types.py": "", "loss.py": "",
+                                         "workbench/bench.py": text})
+    problems, _ = plugin_uses(workbench, plugin, {"april_slime.core.types", "april_slime.loss"}, {"policy_loss"})
+    assert len(problems) == 1 and problem in problems[0], problems
+
+
+def test_the_workbench_checker_lets_declared_and_public_uses_pass(tmp_path):
+    plugin, workbench = _tree(tmp_path, {"core/types.py": "", "loss.py": "", "workbench/bench.py": (
+        "from april_slime import policy_loss\nfrom april_slime.core.types import Group\n"
+        "from april_slime import loss\nloss.config_for\n")})
+    problems, used = plugin_uses(workbench, plugin, {"april_slime.core.types", "april_slime.loss"}, {"policy_loss"})
+    assert problems == [] and used == {"april_slime.core.types", "april_slime.loss"}
+
+
 # ------------------------------------------------------------------------------------ the doors
 def test_the_public_surface_is_declared_in_one_place_and_loads():
     import april_slime
@@ -239,6 +317,32 @@ def test_the_public_surface_is_declared_in_one_place_and_loads():
     assert april_slime.SLIME_FLAGS["--custom-reward-post-process-path"] == MASKING_POST_PROCESS
     with pytest.raises(AttributeError, match="public names"):
         april_slime.scheduler  # noqa: B018
+
+
+def test_slime_flags_list_every_flag_a_job_is_told_to_pass():
+    """Every ``--flag april_slime.path`` the README, the docs, the example launchers, the workbench and
+    the scripts put on a slime command line, and every path a start-time refusal asks a job for, is
+    one of ``SLIME_FLAGS``, under that flag."""
+    import re
+
+    import april_slime
+    from april_slime import job_checks
+    from april_slime.core.config import MASKING_POST_PROCESS
+
+    named = re.compile(r"""(--[a-z][a-z0-9-]*)["']?,?\s+["']?(april_slime\.[A-Za-z_.]*[A-Za-z_])""")
+    texts = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "examples").rglob("*.*"),
+             *(REPO / "scripts").rglob("*.*"), *WORKBENCH.rglob("*.py"), *PACKAGE.rglob("*.py")]
+    found = {}
+    for path in texts:
+        if path.suffix in (".md", ".sh", ".py", ".yaml", ".txt"):
+            for flag, target in named.findall(path.read_text(encoding="utf-8", errors="replace")):
+                found.setdefault((flag, target), path.relative_to(REPO).as_posix())
+    assert found, "no flag found: the pattern no longer matches how the docs write them"
+    assert {f"{f} {t} ({where})" for (f, t), where in found.items() if april_slime.SLIME_FLAGS.get(f) != t} == set()
+    demanded = {MASKING_POST_PROCESS, job_checks.CUSTOM_LOSS_PATH, job_checks.TIS_HOOK_PATH,
+                job_checks.VCPO_HOOK_PATH, job_checks.OPOB_ADVANTAGES_PATH}
+    assert demanded <= set(april_slime.SLIME_FLAGS.values())
+    assert set(april_slime.SLIME_FLAGS.items()) == {(f, t) for f, t in found}, "a flag no page tells a job to pass"
 
 
 def test_importing_the_plugin_loads_neither_torch_nor_the_workbench():

@@ -20,8 +20,8 @@ from april_slime.core.sglang_protocol import (
     EngineReplyError,
     LogprobArrays,
     _checked_arrays,
-    _checked_one_by_one,
     output_tokens,
+    output_tokens_reference,
     parse_generate_reply,
 )
 from april_workbench.bench import ENGINE_PRESETS, SyntheticPrompts, Workload, run_policy
@@ -47,9 +47,9 @@ def test_token_arrays_give_what_their_wire_form_gives(name):
     wire = wire_form({"output_ids": output_ids, "meta_info": {"output_token_logprobs": arrays}})
     assert wire["output_ids"] == ids and all(type(t) is int for t in wire["output_ids"])
     expected = outcome(output_tokens, wire["output_ids"], wire["meta_info"]["output_token_logprobs"], VOCAB, WHERE)
-    assert expected == outcome(_checked_one_by_one, ids, copy.deepcopy(triples), VOCAB, WHERE)
+    assert expected == outcome(output_tokens_reference, ids, copy.deepcopy(triples), VOCAB, WHERE)
     assert outcome(output_tokens, output_ids, arrays, VOCAB, WHERE) == expected
-    triples_only = outcome(_checked_one_by_one, None, copy.deepcopy(triples), VOCAB, WHERE)
+    triples_only = outcome(output_tokens_reference, None, copy.deepcopy(triples), VOCAB, WHERE)
     assert outcome(output_tokens, None, arrays, VOCAB, WHERE) == triples_only
     if expected[0] == "ok":
         assert _checked_arrays(output_ids, arrays, VOCAB) is not None

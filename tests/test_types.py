@@ -19,7 +19,7 @@ def test_stages_concatenate_with_run_length_versions():
     t.append([3], [-1.0], version=4)
     t.append([4], [-2.0], version=4)
     assert t.response_ids == [1, 2, 3, 4] and t.logprobs == [-0.5, -0.25, -1.0, -2.0]
-    assert t.version_runs == [[3, 2], [4, 2]]
+    assert t.version_runs.plain() == [[3, 2], [4, 2]]
     assert t.token_versions() == [3, 3, 4, 4]
     assert t.call_versions == [3, 4, 4, 4]
     assert t.input_ids() == [5, 6, 7, 8, 1, 2, 3, 4] and t.remaining_tokens == 6
@@ -31,7 +31,7 @@ def test_misaligned_or_non_finite_output_is_refused_and_appends_nothing(ids, lps
     t = make_trajectory()
     with pytest.raises(ValueError, match="g0/0"):
         t.append(ids, lps, version=0)
-    assert t.response_ids == [] and t.logprobs == [] and t.version_runs == [] and t.call_versions == []
+    assert t.response_ids == [] and t.logprobs == [] and t.version_runs.plain() == [] and t.call_versions == []
 
 
 def test_group_round_trip_and_reset():
@@ -52,7 +52,7 @@ def test_weights_changed_during_a_call_give_per_token_versions():
     t.append([1], [-0.5], version=2)
     t.append([2, 3, 4], [-0.1, -0.2, -0.3], version=4, version_runs=[[2, 1], [3, 0], [4, 2]])
     assert t.token_versions() == [2, 2, 4, 4]
-    assert t.version_runs == [[2, 2], [4, 2]]
+    assert t.version_runs.plain() == [[2, 2], [4, 2]]
     assert t.call_versions == [2, 4]
     with pytest.raises(ValueError, match="cover 1 tokens, not 2"):
         t.append([5, 6], [-0.1, -0.1], version=4, version_runs=[[4, 1]])

@@ -10,10 +10,11 @@ from torch.func import functional_call, grad, vmap
 
 from april_slime import vcpo
 from april_slime.core.config import AprilConfigError
+from april_slime.job_checks import check_vcpo, groups_across_ranks
 from april_slime.training.baseline import OpobAccumulator, OpobOptions, opob_policy_loss
-from april_slime.training.ess import EssLrScaler
+from april_slime.training.ess import EssLrScaler, EssStats
 from april_slime.training.grad_norms import PerSampleGradNorms
-from april_slime.training.offpolicy import EssStats, Packing
+from april_slime.training.offpolicy import Packing
 from april_slime.vcpo import opob_advantages
 
 VOCAB, D, HEADS, FF = 23, 12, 2, 20
@@ -347,7 +348,8 @@ def slime_train_one_step(hook, optimizer, scheduler, log_ratios_per_microbatch, 
 def test_lr_scaling_applies_to_exactly_one_step_and_restores():
     vcpo.reset_runtime()
     args = SimpleNamespace(april_vcpo_lr_scaling=True, april_vcpo_lr_scale_min=0.0,
-                           april_vcpo_lr_scale_max=1.0, april_vcpo_rho_on_estimate=True)
+                           april_vcpo_lr_scale_max=1.0, april_vcpo_rho_on_estimate=True,
+                           custom_megatron_before_train_step_hook_path="april_slime.vcpo.before_train_step")
     opt = FakeMegatronOptimizer()
     sched = FakeScheduler(opt)
 
@@ -439,7 +441,9 @@ def test_opob_advantages_broadcast_raw_rewards_and_write_the_groups():
 def test_before_train_step_refuses_unsupported_parallelism():
     vcpo.reset_runtime()
     args = SimpleNamespace(april_vcpo_baseline=True, pipeline_model_parallel_size=2,
-                           overlap_grad_reduce=True)
+                           overlap_grad_reduce=True,
+                           custom_megatron_before_train_step_hook_path="april_slime.vcpo.before_train_step",
+                           custom_advantage_function_path="april_slime.vcpo.opob_advantages")
     with pytest.raises(AprilConfigError, match="pipeline parallelism.*overlap-grad-reduce"):
         vcpo.before_train_step(args, 0, 0, [nn.Linear(2, 2)], FakeMegatronOptimizer(), None)
     assert vcpo.runtime() is None
@@ -601,23 +605,23 @@ def test_launcher_vcpo_configuration_runs_the_baseline(mode, tmp_path):
     config = JobSettings.from_args(args).loss
     assert config.vcpo_baseline and config.vcpo_lr_scaling and config.vcpo_baseline_scope == "group"
     assert config.is_high == 8.0 and config.vcpo_rho_on == 1.0
-    vcpo.check_settings(args, config, dp_size=4)  # nothing refused
-    assert vcpo.groups_across_ranks(args, 4)  # each group lies two samples on each rank
+    check_vcpo(args, config, dp_size=4)  # nothing refused
+    assert groups_across_ranks(args, 4)  # each group lies two samples on each rank
     args.use_dynamic_batch_size = True
     with pytest.raises(AprilConfigError, match="group with --use-dynamic-batch-size"):
-        vcpo.check_settings(args, config, dp_size=4)
+        check_vcpo(args, config, dp_size=4)
     args.use_dynamic_batch_size, args.micro_batch_size = False, 4
     with pytest.raises(AprilConfigError, match="--micro-batch-size 4 on 4 data-parallel ranks .* multiple of 16"):
-        vcpo.check_settings(args, config, dp_size=4)
-    vcpo.check_settings(args, config, dp_size=1)  # a divisor is enough on one rank
+        check_vcpo(args, config, dp_size=4)
+    check_vcpo(args, config, dp_size=1)  # a divisor is enough on one rank
     args.micro_batch_size = 8  # a whole group per micro-batch: on one rank
-    vcpo.check_settings(args, config, dp_size=4)
-    assert not vcpo.groups_across_ranks(args, 4)
+    check_vcpo(args, config, dp_size=4)
+    assert not groups_across_ranks(args, 4)
     args.micro_batch_size = 3
     with pytest.raises(AprilConfigError, match="--micro-batch-size 3 .* must divide --n-samples-per-prompt 8"):
-        vcpo.check_settings(args, config, dp_size=1)
+        check_vcpo(args, config, dp_size=1)
     args.micro_batch_size, args.balance_data = 2, True
     with pytest.raises(AprilConfigError, match="--balance-data"):
-        vcpo.check_settings(args, config, dp_size=4)
+        check_vcpo(args, config, dp_size=4)
     plain = flag_values(launcher_arguments(tmp_path, MODE=mode))
     assert plain["use_dynamic_batch_size"] is True and "micro_batch_size" not in plain

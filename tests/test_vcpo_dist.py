@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 from april_slime.training.baseline import OpobAccumulator, OpobOptions, SampleGroups
-from april_slime.training.ess import EssLrScaler
+from april_slime.training.ess import EssLrScaler, EssStats
 from april_slime.training.grad_norms import PerSampleGradNorms, reduce_per_sample_sq_norms
-from april_slime.training.offpolicy import EssStats, Packing
+from april_slime.training.offpolicy import Packing
 from tests.support.gloo import run_on_gloo_ranks
 
 D, H = 6, 8

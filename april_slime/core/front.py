@@ -270,7 +270,9 @@ def sglang_reply(call: ModelCall, decode: Decode, *, routed_width: int, top_p: b
         finish_reason["matched"] = matched
     elif finish == "length":
         finish_reason["length"] = len(ids)
-    latest = t.version_runs[-1][0] if t.version_runs else (t.call_versions[-1] if t.call_versions else 0)
+    latest = t.version_runs.newest()
+    if latest is None:
+        latest = t.call_versions[-1] if t.call_versions else 0
     return {
         "text": text,
         "output_ids": ids,

@@ -129,7 +129,7 @@ def output_tokens(output_ids: Any, triples: Any, vocab_size: int | None,
         checked = _checked_lists(output_ids, triples, vocab_size)
         if checked is not None:
             return checked
-    return _checked_one_by_one(output_ids, triples, vocab_size, where)
+    return output_tokens_reference(output_ids, triples, vocab_size, where)
 
 
 def _checked_lists(output_ids: Any, triples: Any, vocab_size: int | None) -> tuple[list[int], list[float]] | None:
@@ -187,9 +187,10 @@ def _ids_in_vocab(ids: np.ndarray, vocab_size: int | None) -> bool:
     return bool(ids.min() >= 0 and (vocab_size is None or ids.max() < vocab_size))
 
 
-def _checked_one_by_one(output_ids: Any, triples: Any, vocab_size: int | None,
-                        where: str) -> tuple[list[int], list[float]]:
-    """The reference checks of ``output_tokens``: item by item, raising at the first bad one."""
+def output_tokens_reference(output_ids: Any, triples: Any, vocab_size: int | None,
+                            where: str) -> tuple[list[int], list[float]]:
+    """The reference checks of ``output_tokens``: item by item, raising at the first bad one (what the
+    whole-list checks fall back to, to name the problem; the decode benchmark times it)."""
     logprobs, triple_ids = split_logprob_triples(triples, where)
     if output_ids is None:
         output_ids = triple_ids

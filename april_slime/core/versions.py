@@ -8,19 +8,27 @@ the trajectory, the buffer and its checkpoints, a generate function's reply, to 
 adding a run (merged with the last when the version repeats), truncating, expanding to one version
 per token, shifting, and converting to and from SGLang's spans.
 
-It is a ``list`` of ``[version, count]`` pairs, so what holds it (a checkpoint's JSON, a sample's
-metadata) stores it as the plain list it always was, and a plain list of pairs reads back with
-``VersionRuns.of``. Runs never have a count of zero or less, and two adjacent runs never share a
-version.
+The runs are this class's own: it is no ``list``, so nothing but its methods changes them, and it
+keeps two invariants: no run has a count of zero or less, and no two adjacent runs share a version.
+Whatever stores the runs (a checkpoint's JSON, a sample's metadata, an engine's reply) takes the plain
+pairs of ``plain()`` and reads them back with ``VersionRuns.of``, which checks them. Reading is
+iteration over ``(version, count)`` pairs, ``runs()`` (the same pairs as a tuple) and the named
+readings below (``newest``, ``oldest``, ``total``, ...).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 
-class VersionRuns(list):
+class VersionRuns:
     """``[[version, count], ...]``: the policy version of each of ``total`` tokens, in order."""
+
+    __slots__ = ("_runs",)
+
+    def __init__(self) -> None:
+        """No tokens; the builders below make runs from pairs, versions or SGLang's spans."""
+        self._runs: list[list[int]] = []
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -68,10 +76,10 @@ class VersionRuns(list):
     def add(self, version: int, count: int) -> VersionRuns:
         """Append ``count`` tokens of ``version`` (merged into the last run when it is the same)."""
         if count > 0:
-            if self and self[-1][0] == version:
-                self[-1][1] += int(count)
+            if self._runs and self._runs[-1][0] == version:
+                self._runs[-1][1] += int(count)
             else:
-                self.append([int(version), int(count)])
+                self._runs.append([int(version), int(count)])
         return self
 
     def extend_runs(self, other: Iterable[Sequence[int]]) -> VersionRuns:
@@ -81,9 +89,31 @@ class VersionRuns(list):
         return self
 
     # ------------------------------------------------------------------ reading
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        """The runs as ``(version, count)`` pairs, oldest first."""
+        return ((version, count) for version, count in self._runs)
+
+    def __len__(self) -> int:
+        """The number of runs (not of tokens: that is ``total``)."""
+        return len(self._runs)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, VersionRuns):
+            return NotImplemented  # a plain list compares through ``plain()``
+        return self._runs == other._runs
+
+    __hash__ = None  # type: ignore[assignment]  # changes in place
+
+    def __repr__(self) -> str:
+        return f"VersionRuns({self._runs!r})"
+
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """The runs as a tuple of ``(version, count)`` pairs (a copy: changing it changes nothing here)."""
+        return tuple(self)
+
     @property
     def total(self) -> int:
-        return sum(count for _, count in self)
+        return sum(count for _, count in self._runs)
 
     def truncated(self, length: int) -> VersionRuns:
         """The runs of the first ``length`` tokens."""
@@ -97,7 +127,9 @@ class VersionRuns(list):
 
     def shifted(self, offset: int) -> VersionRuns:
         """Every version moved by ``offset`` (a restored job's numbering)."""
-        return VersionRuns([[version + offset, count] for version, count in self])
+        out = VersionRuns()
+        out._runs = [[version + offset, count] for version, count in self._runs]
+        return out
 
     def expand(self) -> list[int]:
         """One version per token."""
@@ -107,7 +139,12 @@ class VersionRuns(list):
         return out
 
     def oldest(self) -> int | None:
-        return min((version for version, _ in self), default=None)
+        """The oldest version of any token (None without tokens)."""
+        return min((version for version, _ in self._runs), default=None)
+
+    def newest(self) -> int | None:
+        """The version of the last token (None without tokens)."""
+        return self._runs[-1][0] if self._runs else None
 
     def count_other_than(self, version: int) -> int:
         """Tokens of any other version than ``version``."""

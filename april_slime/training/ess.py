@@ -4,9 +4,9 @@ sample size of exactly the batch that produced its gradient.
 Huang et al., "Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs", eq. 4-5: the
 learning rate is multiplied by ``clamp(sqrt(ESS_ratio / rho_on), min, max)``, where
 ``ESS_ratio = (sum w)^2 / (N sum w^2)`` of the unclipped sequence-level importance weights
-``w_i = pi_theta(y_i|x_i) / mu(y_i|x_i)``. The ESS statistics themselves are
-``april_slime.training.offpolicy.EssStats``; this module owns when they are collected, reduced and
-applied to an optimizer.
+``w_i = pi_theta(y_i|x_i) / mu(y_i|x_i)``. This module owns the ESS statistics (``EssStats``,
+``effective_sample_size``: sums of weights kept in log space, reduced across ranks) and the rule:
+when they are collected, reduced and applied to an optimizer.
 """
 
 from __future__ import annotations
@@ -14,14 +14,107 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-from april_slime.training import offpolicy
+from april_slime.training.offpolicy import NonFiniteLogProbError, collective_device
 
-__all__ = ["EssLrScaler"]
+__all__ = ["EssLrScaler", "EssStats", "effective_sample_size"]
 
 
+# ------------------------------------------------------------------------------- the statistics
+@dataclass
+class EssStats:
+    """Sufficient statistics of the effective sample size of a set of weights given in log space.
+
+    ``ESS = (sum w)^2 / sum w^2`` and ``ess_ratio = ESS / N``. Both are invariant to a common scale
+    of the weights, so the sums are kept relative to ``exp(log_shift)`` (the largest log-weight
+    seen): sequence-level weights (products of hundreds of token ratios) then never overflow.
+    Statistics accumulate with ``add`` (any number of batches; merging rescales to the larger
+    shift) and are combined across ranks with ``reduce`` (one MAX and one SUM all-reduce), so a
+    caller can collect micro-batches locally and reduce once.
+    """
+
+    log_shift: float = -math.inf
+    sum_weights: float = 0.0
+    sum_sq_weights: float = 0.0
+    num_samples: int = 0
+
+    def add(self, log_weights: torch.Tensor, valid: torch.Tensor | None = None) -> EssStats:
+        """Merge the UNCLIPPED log-weights [N] (``valid``, bool [N], excludes samples); returns self."""
+        lw = log_weights.detach().reshape(-1).to(torch.float64)
+        if valid is not None:
+            lw = lw[valid.detach().reshape(-1).to(lw.device).bool()]
+        if lw.numel() == 0:
+            return self
+        finite = torch.isfinite(lw)
+        if not bool(finite.all()):
+            bad = (~finite).nonzero().reshape(-1)[:5].tolist()
+            raise NonFiniteLogProbError(f"non-finite sequence log-weight at positions {bad}: the training or "
+                                        "rollout log-probs contain NaN/inf")
+        batch_shift = float(lw.max())
+        shift = max(self.log_shift, batch_shift)
+        rescale = math.exp(self.log_shift - shift) if self.num_samples else 0.0
+        scaled = torch.exp(lw - shift)
+        sum_w, sum_w2 = torch.stack([scaled.sum(), scaled.square().sum()]).tolist()
+        self.sum_weights = self.sum_weights * rescale + sum_w
+        self.sum_sq_weights = self.sum_sq_weights * rescale * rescale + sum_w2
+        self.log_shift = shift
+        self.num_samples += int(lw.numel())
+        return self
+
+    def reduce(self, group: torch.distributed.ProcessGroup | None = None,
+               device: torch.device | str | None = None) -> EssStats:
+        """The statistics of every rank of ``group`` together (None = the default group).
+
+        A collective when ``torch.distributed`` is initialised: every rank of the group must call
+        it, those without observations too (they contribute zeros). Ranks holding copies of the
+        same samples (tensor- or context-parallel peers) do not bias the ratio: k copies multiply
+        ``(sum w)^2`` and ``N sum w^2`` alike. Without ``torch.distributed`` it returns a copy.
+        """
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return EssStats(self.log_shift, self.sum_weights, self.sum_sq_weights, self.num_samples)
+        device = collective_device(group, device)
+        shift = torch.tensor([self.log_shift], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(shift, op=torch.distributed.ReduceOp.MAX, group=group)
+        global_shift = float(shift.item())
+        rescale = math.exp(self.log_shift - global_shift) if self.num_samples else 0.0
+        sums = torch.tensor([self.sum_weights * rescale, self.sum_sq_weights * rescale * rescale,
+                             float(self.num_samples)], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=group)
+        sum_w, sum_w2, n = sums.tolist()
+        return EssStats(global_shift, sum_w, sum_w2, int(round(n)))
+
+    @property
+    def ess(self) -> float:
+        return self.sum_weights ** 2 / self.sum_sq_weights if self.num_samples else 0.0
+
+    @property
+    def ess_ratio(self) -> float:
+        """ESS / N; 1.0 for no samples, so that scaling by it is a no-op."""
+        return self.ess / self.num_samples if self.num_samples else 1.0
+
+
+def effective_sample_size(
+    log_weights: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    group: torch.distributed.ProcessGroup | None = None,
+    *,
+    reduce: bool = True,
+) -> EssStats:
+    """ESS of UNCLIPPED sequence weights given as log-weights [N], in one call.
+
+    ``valid`` (bool [N]) excludes samples, e.g. those without any loss-masked token. With
+    ``reduce`` (default) the statistics are reduced over ``group`` (see ``EssStats.reduce``: a
+    collective when ``torch.distributed`` is initialised), so every rank gets the ESS of the
+    global batch; ``reduce=False`` keeps it local.
+    """
+    stats = EssStats().add(log_weights, valid)
+    return stats.reduce(group, device=log_weights.device) if reduce else stats
+
+
+# ------------------------------------------------------------------------------------- the rule
 class EssLrScaler:
     """Owns the ESS learning-rate rule: rho_on, the statistics of the current step, the last scale.
 
@@ -47,8 +140,8 @@ class EssLrScaler:
         self.scale_min = scale_min
         self.scale_max = scale_max
         self.group = group
-        self._stats = offpolicy.EssStats()
-        self._clipped = offpolicy.EssStats()
+        self._stats = EssStats()
+        self._clipped = EssStats()
         self._device: torch.device | str = "cpu"
         self.last_ess_ratio: float = float("nan")
         self.last_ess_ratio_clipped: float = float("nan")
@@ -57,8 +150,8 @@ class EssLrScaler:
 
     # -- per step --------------------------------------------------------------------------
     def begin_step(self) -> None:
-        self._stats = offpolicy.EssStats()
-        self._clipped = offpolicy.EssStats()
+        self._stats = EssStats()
+        self._clipped = EssStats()
 
     def observe(self, seq_log_weights: torch.Tensor, valid: torch.Tensor | None = None,
                 clipped_log_weights: torch.Tensor | None = None) -> None:
@@ -106,8 +199,8 @@ class EssLrScaler:
             # redundant, but a skipped step (inf/nan grads: no scheduler step) must not keep it.
             for group, lr in zip(groups, saved):
                 group["lr"] = lr
-            self._stats = offpolicy.EssStats()
-            self._clipped = offpolicy.EssStats()
+            self._stats = EssStats()
+            self._clipped = EssStats()
 
     def wrap_optimizer(self, optimizer) -> None:
         """Make ``optimizer.step()`` run inside ``scaled_lr`` (idempotent, instance-level)."""

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import torch
 
 from april_slime.training import offpolicy
+from april_slime.training.ess import effective_sample_size
+from april_slime.training.staleness import staleness_buckets, token_lags
 
 __all__ = ["IS_WEIGHT_QUANTILES", "STALENESS_BUCKETS", "is_weight_quantiles", "kl_rollout_train",
            "per_sample", "staleness_metrics", "weight_metrics", "without_masked"]
@@ -63,12 +65,12 @@ def weight_metrics(packing: offpolicy.Packing, mask: torch.Tensor, sequence_log_
     ``offpolicy.safe_exp``), and the micro-batch's own ESS ratio on every token."""
     seq_w = offpolicy.safe_exp(sequence_log_weights.detach())
     valid = packing.sum(mask.to(seq_w.dtype)) > 0
-    ess = offpolicy.effective_sample_size(sequence_log_weights, valid=valid, reduce=False)
+    microbatch = effective_sample_size(sequence_log_weights, valid=valid, reduce=False)
     return {
         "trained_frac": per_sample(torch.ones_like(seq_w), packing, mask, per_token_loss),
         "seq_weight": per_sample(seq_w, packing, mask, per_token_loss),
         "seq_weight_sq": per_sample(seq_w.square(), packing, mask, per_token_loss),
-        "ess_ratio_microbatch": torch.full_like(mask, ess.ess_ratio, dtype=seq_w.dtype),
+        "ess_ratio_microbatch": torch.full_like(mask, microbatch.ess_ratio, dtype=seq_w.dtype),
     }
 
 
@@ -97,13 +99,13 @@ def staleness_metrics(per_sample_versions: Sequence[torch.Tensor | None], refere
     the micro-batch where a sample has none): the off-policy token fraction, the mean staleness,
     and per bucket the token fraction and its behaviour-ratio mass."""
     device = behaviour_ratio.device
-    staleness, known = offpolicy.token_lags(per_sample_versions, references, packing)
-    staleness, known = staleness.to(device), known.to(device)
-    bucket = offpolicy.staleness_buckets(staleness, len(STALENESS_BUCKETS))
+    lags, known = token_lags(per_sample_versions, references, packing)
+    lags, known = lags.to(device), known.to(device)
+    bucket = staleness_buckets(lags, len(STALENESS_BUCKETS))
     dtype = behaviour_ratio.dtype
     out = {
-        "offpolicy_token_frac": (known & (staleness > 0)).to(dtype),
-        "staleness_mean": staleness.to(dtype) * known.to(dtype),
+        "offpolicy_token_frac": (known & (lags > 0)).to(dtype),
+        "staleness_mean": lags.to(dtype) * known.to(dtype),
     }
     for b, name in enumerate(STALENESS_BUCKETS):
         in_bucket = (known & (bucket == b)).to(dtype)

@@ -52,7 +52,7 @@ async def test_replies_and_control_paths_of_0515(old_stack):
         assert await client.weight_version(url) == old_stack.weight_version()
         result = await client.generate(url, [11, 12, 13], max_new_tokens=4, rid="probe-0515-b",
                                        sampling_params={"temperature": 1.0}, sampling_seed=1)
-        assert result.version_runs == [[old_stack.weight_version(), len(result.output_ids)]]
+        assert result.version_runs.plain() == [[old_stack.weight_version(), len(result.output_ids)]]
         await client.abort(url, abort_all=True)  # 200, whatever the body
     finally:
         await client.close()

@@ -25,7 +25,8 @@ DP = 2
 BATCH = dict(rollout_batch_size=4, n_samples_per_prompt=3, global_batch_size=12)
 PLUGIN = dict(loss_type="custom_loss", custom_loss_function_path="april_slime.loss.policy_loss",
               april_is_mode="copris", april_is_level="token", april_is_correction="truncate", april_is_low=0.0,
-              april_is_high=1.2, april_loss_level="token", april_vcpo_lr_scaling=True)
+              april_is_high=1.2, april_loss_level="token", april_vcpo_lr_scaling=True,
+              custom_megatron_before_train_step_hook_path="april_slime.vcpo.before_train_step")
 # ESS of one micro-batch: depends on how the batch is cut into micro-batches, not additive
 NOT_ADDITIVE = {"april/ess_ratio_microbatch"}
 

@@ -38,8 +38,8 @@ import numpy as np
 import orjson
 
 from april_slime.core.sglang_protocol import (
-    _checked_one_by_one,
     output_tokens,
+    output_tokens_reference,
     parse_generate_reply,
 )
 from april_slime.core.transport import decode_json
@@ -77,7 +77,7 @@ def _client(raw: bytes) -> Any:
 
 def _reference(raw: bytes) -> Any:
     reply = json.loads(raw)
-    return _checked_one_by_one(reply["output_ids"], reply["meta_info"]["output_token_logprobs"],
+    return output_tokens_reference(reply["output_ids"], reply["meta_info"]["output_token_logprobs"],
                                VOCAB_SIZE, f"engine {ENGINE_URL} rid {RID}")
 
 

@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import heapq
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -297,7 +297,7 @@ class BenchAgent:
         mask: list[int] = []
         for k, t in enumerate(calls):
             if k:
-                member.append(self.tool_ids, [0.0] * len(self.tool_ids), member.version_runs[-1][0])
+                member.append(self.tool_ids, [0.0] * len(self.tool_ids), member.version_runs.newest())
                 mask += [0] * len(self.tool_ids)
             member.append(t.response_ids, t.logprobs, t.call_versions[-1], version_runs=t.version_runs)
             mask += [1] * t.response_length
@@ -339,7 +339,7 @@ class EpisodeDriver:
             return None
         return [c.trajectory for c in [*episode.served, *episode.pending.values()]]
 
-    def _state(self, member: Trajectory) -> tuple[int, int, list[list[int]]]:
+    def _state(self, member: Trajectory) -> tuple[int, int, Iterable[tuple[int, int]]]:
         """(model tokens held, context length past the prompt, version runs of those tokens)."""
         calls = self._calls(member)
         if calls is None:
@@ -348,7 +348,7 @@ class EpisodeDriver:
             return model, member.response_length, member.version_runs
         model = sum(t.response_length for t in calls)
         tools = max(0, len(calls) - 1)  # a tool result joins the context with the next call
-        return model, model + tools * self.workload.tool_tokens, [r for t in calls for r in t.version_runs]
+        return model, model + tools * self.workload.tool_tokens, [r for t in calls for r in t.version_runs.runs()]
 
     def snapshot(self, groups: Sequence[Group]) -> dict[str, tuple[int, int]]:
         return {t.uid: self._state(t)[:2] for g in groups for t in g.trajectories}

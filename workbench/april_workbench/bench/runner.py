@@ -325,7 +325,7 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
 def _carried_tokens(groups: Sequence[Group]) -> int:
     """Response tokens generated before the last resume of every trajectory resumed at least once
     (its tokens span several policy versions, one per step it ran in)."""
-    return sum(sum(count for _, count in t.version_runs[:-1])
+    return sum(sum(count for _, count in t.version_runs.runs()[:-1])
                for g in groups for t in g.trajectories if len(t.version_runs) > 1)
 
 

@@ -147,6 +147,9 @@ def slime_args(settings: DemoSettings, policy: str, *, checkpoint: Path, prompts
     if settings.task == "tool":
         # the episodes: slime's custom generate function, one model call per turn
         argv += ["--custom-generate-function-path", f"{tool_task.__name__}.generate"]
+    if settings.vcpo_lr_scaling:
+        # VCPO's state lives in slime's before-train-step hook (the demo's trainer calls it as slime does)
+        argv += ["--custom-megatron-before-train-step-hook-path", "april_slime.vcpo.before_train_step"]
     parser = argparse.ArgumentParser(allow_abbrev=False)
     get_slime_extra_args_provider()(parser)
     add_sglang_arguments(parser)

@@ -19,6 +19,7 @@ import torch
 
 from april_slime import loss as plugin_loss
 from april_slime import vcpo
+from april_slime.training.packed import response_log_probs_from_logits
 
 
 def group_advantages(rewards: list[list[float]]) -> list[list[float]]:
@@ -90,7 +91,7 @@ class PolicyTrainer:
     @torch.no_grad()
     def _recomputed_log_probs(self, batch: dict[str, Any]) -> list[torch.Tensor]:
         logits = self._logits([t.tolist() for t in batch["unconcat_tokens"]])
-        log_probs, _ = plugin_loss.response_log_probs_from_logits(
+        log_probs, _ = response_log_probs_from_logits(
             logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"],
             temperature=self.args.rollout_temperature)
         return log_probs

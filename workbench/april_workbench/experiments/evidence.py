@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from april_slime.training import offpolicy
 from april_slime.training.baseline import OpobAccumulator, OpobOptions, opob_policy_loss
-from april_slime.training.ess import EssLrScaler
+from april_slime.training.ess import EssLrScaler, effective_sample_size
 from april_slime.training.grad_norms import PerSampleGradNorms
 
 SEPARATOR = 10  # token between the digits of the prompt and the answer
@@ -329,7 +329,7 @@ class _Trainer:
         behaviour_log_ratio = offpolicy.masked_log_ratio(old_logprobs, rollout_logprobs, loss_mask)
         # ESS of the unclipped sequence weights pi_theta / pi_rollout over the whole batch,
         # measured the same way for every method (only VCPO acts on it, per optimizer step).
-        ess = offpolicy.effective_sample_size(
+        ess = effective_sample_size(
             offpolicy.sequence_log_weights(behaviour_log_ratio, packing, loss_mask))
         advantages = group_normalised_advantages(batch.rewards, batch.group_size)
 
