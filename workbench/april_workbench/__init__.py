@@ -32,6 +32,8 @@ PLUGIN_MODULES = {
     "april_slime.core.replay": "the emulator encodes routed experts as the client decodes them",
     "april_slime.core.step_metrics": "the real-engine trace reads the scheduler's timeline points",
     "april_slime.core.jsonfile": "the demo writes its results with the plugin's atomic JSON write",
+    "april_slime.core.columns": "workloads hand a group's one prompt column to all its trajectories",
+    "april_slime.core.checkpoint": "`bench scale` saves and loads the production checkpoint at size",
     # the training wing: the demo and the experiments run its math on CPU
     "april_slime.training.offpolicy": "the experiments and the VCPO timing pack samples and weight them",
     "april_slime.training.ess": "the experiments measure ESS and scale learning rates as VCPO does",
