@@ -5,6 +5,7 @@ import asyncio
 import collections
 import functools
 import hashlib
+import math
 import random
 
 import pytest
@@ -742,38 +743,56 @@ def test_cancelled_step_with_requests_in_flight_puts_every_group_back():
     run_virtual(main())
 
 
-def test_the_drain_ends_when_less_than_the_clock_resolution_is_left():
+@pytest.mark.parametrize("start_time, left", [
+    (0.0, lambda now: 4e-10),  # below asyncio's clock resolution (1 ns)
+    # the case seen under fault injection: a clock far from 0 (a float's step at 100 s is 1.4e-14 s)
+    # and the deadline one step of the float past it, about 1e-14 s left
+    (100.0, lambda now: math.nextafter(now, math.inf) - now),
+])
+def test_the_drain_ends_when_less_than_the_clock_resolution_is_left(start_time, left):
     """asyncio runs a timer within its clock resolution (1 ns) as due, so a wait for the last
     sliver of the drain deadline returns without the clock moving; on the benchmark's virtual clock
     nothing else moves it, and the drain used to spin there (1.3 M iterations in one step, seen
-    under fault injection). A drain that reaches such a sliver with a call the engine never answers
-    must end, cancel that call and buffer its group."""
+    under fault injection, ~1e-14 s before the deadline). A drain that reaches such a sliver with a
+    call the engine never answers must end, cancel that call and buffer its group. A drain that
+    spins fails the test after 1000 waits (``pytest.fail`` is no ``Exception``: the recovery's own
+    catch-all cannot swallow it and spin on)."""
     from april_slime.core import scheduler as scheduler_module
 
     waits = 0
+    slivers: list[float] = []
     next_events = scheduler_module._Step._next_events
+    drain = scheduler_module._Step._drain
 
     async def counted(self, timeout=None):
         nonlocal waits
         waits += 1
-        assert waits < 1000, "the drain spins without the clock moving"
+        if waits >= 1000:
+            pytest.fail(f"the drain spins without the clock moving ({waits} waits at {self.ctx.loop.time()!r})")
         return await next_events(self, timeout)
+
+    async def positioned(self, deadline):
+        # the deadline placed so that what is left of it when the drain starts is the sliver
+        now = self.ctx.loop.time()
+        slivers.append(left(now))
+        return await drain(self, now + slivers[-1])
 
     async def main():
         client = FakeClient(token_time=0.01, short=(5, 5), long=(300, 300), long_frac=0.5)
         client.abort_hangs = set(client.engine_urls)  # the engines never answer an abort
         sched, _, buffer = make("april", client=client, batch=1, n=2, over_sampling_factor=4.0)
-        # what is left of the deadline when the drain starts: a sliver below the clock resolution
-        sched.drain_timeout_s = 4e-10
         scheduler_module._Step._next_events = counted
+        scheduler_module._Step._drain = positioned
         try:
             result = await sched.run_step(Prompts(2, max_new_tokens=300), current_version=0)
         finally:
             scheduler_module._Step._next_events = next_events
+            scheduler_module._Step._drain = drain
+        assert slivers and 0 < slivers[0] < 1e-9, slivers  # the condition was reached
         assert result.metrics["april/drain_cancelled_calls"] >= 1  # cut at the deadline, not lost
         check_settled(client, buffer)
 
-    run_virtual(main())
+    run_virtual(main(), start_time=start_time)
 
 
 @pytest.mark.parametrize("policy", ["sync", "april", "copris"])
