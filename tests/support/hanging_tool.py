@@ -62,3 +62,43 @@ class HangingToolAgent:
         assert list(result) == member.prompt_ids + member.response_ids, "the context is not the calls and the tool"
         member.loss_mask = mask
         member.status, member.finish_reason = TrajectoryStatus.COMPLETED, "stop"
+
+
+# ------------------------------------------------------------------ slime's contract, real engines
+# sample indices whose tool never returns, and the indices whose tool started hanging (the test
+# checks that the hang it arranged happened)
+HANG_INDICES: set[int] = set()
+HUNG_INDICES: list[int] = []
+REAL_PER_CALL = 16
+
+
+async def call_then_hung_tool(args, sample, sampling_params):
+    """A slime custom generate function: a model call with the prompt as text, a tool, a second
+    call with ``input_ids``; the tool of a sample in ``HANG_INDICES`` never returns."""
+    from slime.utils.http_utils import post
+    from slime.utils.processing_utils import load_tokenizer
+
+    from tests.support.agent_functions import OBSERVATION, completed
+
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    tokenizer = load_tokenizer(args.hf_checkpoint, trust_remote_code=True)
+    prompt = tokenizer(sample.prompt)["input_ids"]
+    observation = tokenizer(OBSERVATION, add_special_tokens=False)["input_ids"]
+    response, mask, logprobs = [], [], []
+    for turn in range(2):
+        params = {**sampling_params, "max_new_tokens": REAL_PER_CALL}
+        body = {"text": sample.prompt} if turn == 0 else {"input_ids": prompt + response}
+        out = await post(url, {**body, "sampling_params": params, "return_logprob": True})
+        pairs = out["meta_info"]["output_token_logprobs"]
+        response += [int(t[1]) for t in pairs]
+        mask += [1] * len(pairs)
+        logprobs += [float(t[0]) for t in pairs]
+        if turn == 0:
+            if sample.index in HANG_INDICES:
+                HUNG_INDICES.append(sample.index)
+                await asyncio.Event().wait()  # the tool never returns
+            response += observation
+            mask += [0] * len(observation)
+            logprobs += [0.0] * len(observation)
+    completed(sample, prompt, response, mask, logprobs, tokenizer)
+    return sample
