@@ -5,6 +5,7 @@ import asyncio
 import collections
 import functools
 import hashlib
+import math
 import random
 
 import pytest
@@ -48,6 +49,7 @@ class FakeClient:
         self.probes: list[str] = []
         self.probe_fails = lambda url: False
         self.wedged: set[str] = set()  # engines that accept requests and never answer anything
+        self.hang = lambda url, rid: False  # -> this call never answers (its engine answers the rest)
         self.abort_hangs: set[str] = set()  # engines whose /abort_request never answers
         self.reject = lambda url, rid: False  # -> HTTP 400 for this call
         self.eos_on_abort = None  # token id an aborted reply ends with (abort racing a stop)
@@ -76,7 +78,7 @@ class FakeClient:
             raise EngineUnavailable(f"{engine_url}: injected failure for {rid}")
         if self.reject(engine_url, rid):
             raise RequestRejected(f"{engine_url} rejected {rid} with HTTP 400", 400)
-        if engine_url in self.wedged:
+        if engine_url in self.wedged or self.hang(engine_url, rid):
             await asyncio.Event().wait()
         key = tuple(map(int, input_ids[:PROMPT_LEN]))  # a list or an int32 array: the same key
         start = len(input_ids) - PROMPT_LEN
@@ -742,36 +744,97 @@ def test_cancelled_step_with_requests_in_flight_puts_every_group_back():
     run_virtual(main())
 
 
-def test_the_drain_ends_when_less_than_the_clock_resolution_is_left():
+@pytest.mark.parametrize("start_time, left", [
+    (0.0, lambda now: 4e-10),  # below asyncio's clock resolution (1 ns)
+    # the case seen under fault injection: a clock far from 0 (a float's step at 100 s is 1.4e-14 s)
+    # and the deadline one step of the float past it, about 1e-14 s left
+    (100.0, lambda now: math.nextafter(now, math.inf) - now),
+])
+def test_the_drain_ends_when_less_than_the_clock_resolution_is_left(start_time, left):
     """asyncio runs a timer within its clock resolution (1 ns) as due, so a wait for the last
     sliver of the drain deadline returns without the clock moving; on the benchmark's virtual clock
     nothing else moves it, and the drain used to spin there (1.3 M iterations in one step, seen
-    under fault injection). A drain that reaches such a sliver with a call the engine never answers
-    must end, cancel that call and buffer its group."""
+    under fault injection, ~1e-14 s before the deadline). A drain that reaches such a sliver with a
+    call the engine never answers must end, cancel that call and buffer its group. A drain that
+    spins fails the test after 1000 waits (``pytest.fail`` is no ``Exception``: the recovery's own
+    catch-all cannot swallow it and spin on)."""
     from april_slime.core import scheduler as scheduler_module
 
     waits = 0
+    slivers: list[float] = []
     next_events = scheduler_module._Step._next_events
+    drain = scheduler_module._Step._drain
 
     async def counted(self, timeout=None):
         nonlocal waits
         waits += 1
-        assert waits < 1000, "the drain spins without the clock moving"
+        if waits >= 1000:
+            pytest.fail(f"the drain spins without the clock moving ({waits} waits at {self.ctx.loop.time()!r})")
         return await next_events(self, timeout)
+
+    async def positioned(self, deadline):
+        # the deadline placed so that what is left of it when the drain starts is the sliver
+        now = self.ctx.loop.time()
+        slivers.append(left(now))
+        return await drain(self, now + slivers[-1])
 
     async def main():
         client = FakeClient(token_time=0.01, short=(5, 5), long=(300, 300), long_frac=0.5)
         client.abort_hangs = set(client.engine_urls)  # the engines never answer an abort
         sched, _, buffer = make("april", client=client, batch=1, n=2, over_sampling_factor=4.0)
-        # what is left of the deadline when the drain starts: a sliver below the clock resolution
-        sched.drain_timeout_s = 4e-10
         scheduler_module._Step._next_events = counted
+        scheduler_module._Step._drain = positioned
         try:
             result = await sched.run_step(Prompts(2, max_new_tokens=300), current_version=0)
         finally:
             scheduler_module._Step._next_events = next_events
+            scheduler_module._Step._drain = drain
+        assert slivers and 0 < slivers[0] < 1e-9, slivers  # the condition was reached
         assert result.metrics["april/drain_cancelled_calls"] >= 1  # cut at the deadline, not lost
         check_settled(client, buffer)
+
+    run_virtual(main(), start_time=start_time)
+
+
+def test_a_due_groups_hung_request_is_cut_at_the_step_deadline_and_its_group_released():
+    """A single-turn group carried with tokens of version 0 is due at version 1 (max_staleness 1);
+    one of its requests never answers on an engine that answers everything else. At
+    april_step_deadline_s the call is cancelled (its trajectory keeps its tokens) and counted as a
+    failed call, and the group no longer holds the step: the step meets its target
+    with other groups, the group goes back to the buffer and the next step's staleness fallback
+    restarts it. Nothing is lost or duplicated."""
+
+    async def main():
+        client = FakeClient(token_time=0.01)
+        client.hang = lambda url, rid: rid.startswith("d0/0#")
+        sched, _, buffer = make("copris", client=client, batch=2, n=2, concurrency=4, max_staleness=1,
+                                step_deadline_s=600.0)
+        prompt = [901, 902, 903, 904]
+        due = Group(uid="d0", prompt_ids=prompt, created_version=0, trajectories=[
+            Trajectory(uid=f"d0/{j}", group_uid="d0", index_in_group=j, prompt_ids=prompt, max_new_tokens=40,
+                       sampling_seed=7 + j) for j in range(2)])
+        for t in due.trajectories:
+            t.append([11, 12], [-0.5, -0.5], 0)
+            t.status = TrajectoryStatus.ABORTED
+        buffer.put(due)
+        prompts = Prompts(2)
+        client.version = 1
+        res = await bounded(sched, prompts, 1)
+        m = res.metrics
+        assert m["april/deadline_failed_samples"] == 1 and m["april/deadline_released_groups"] == 1
+        assert 600.0 - 1e-3 <= m["april/time_to_target_s"] <= 601.0, m["april/time_to_target_s"]
+        assert m["april/engine_errors"] == 0  # a cut call is a failure of its sample, not of its engine
+        assert "d0" in buffer and "d0" not in {g.uid for g in res.groups}
+        hung = next(g for g in buffer.groups() if g.uid == "d0").trajectories[0]
+        assert hung.response_ids[:2] == [11, 12] and hung.status is not TrajectoryStatus.RUNNING
+        returned = [g.uid for g in res.groups]
+        client.version = 2
+        res2 = await bounded(sched, prompts, 2)
+        assert res2.metrics["april/stale_restarted_groups"] == 1  # d0, past its bound
+        returned += [g.uid for g in res2.groups]
+        buffered = [g.uid for g in buffer.groups()]
+        assert len(returned) == len(set(returned)) and not set(returned) & set(buffered)
+        assert set(returned) | set(buffered) == set(prompts.made) | {"d0"}
 
     run_virtual(main())
 

@@ -81,6 +81,17 @@ class AprilConfig:
         "Times a group may be suspended at a step's target (aborted with work left, carried over) before it "
         "is protected: resumed first and run to completion in its next step (at most rollout_batch_size "
         "groups a step; the rest at a later one). Unset: never protected.")})
+    step_deadline_s: float = field(
+        default=3600.0,
+        metadata={"help": "Longest wait of a rollout step for the groups it must train (at "
+                          "april_max_staleness, or protected by april_max_interruptions), in seconds from the "
+                          "step's start; past it each unfinished sample of such a group fails: masked with "
+                          "april_mask_failed_samples (episodes), else re-run or dropped as any failed sample, "
+                          "and the step goes on without waiting for it (docs/reliability.md). Counted in "
+                          "april/deadline_failed_samples. 0: no deadline (a tool that never returns can then "
+                          "hold a step for good). The default is the request timeout's default: an hour, "
+                          "some 20 steps of the 8-GPU layouts docs/results.md predicts."},
+    )
     resume_priority: str = field(
         default="verl",
         metadata={"help": "Order in which buffered groups are resumed: verl (fewest unfinished samples, "
@@ -287,11 +298,15 @@ def _check_masking(c: AprilConfig, args: Any) -> None:
 
 
 def _check_staleness(c: AprilConfig) -> None:
-    """The settings of the staleness bound and of protection."""
+    """The settings of the staleness bound, of protection and of the wait for the groups they make due."""
     if c.max_staleness is not None and c.max_staleness < 0:
         _fail("max_staleness", f"must be >= 0 or unset, got {c.max_staleness}")
     if c.max_interruptions is not None and c.max_interruptions < 1:
         _fail("max_interruptions", f"must be >= 1 or unset, got {c.max_interruptions}")
+    # the wait for the groups the bound (or protection) makes the step train
+    if not (math.isfinite(c.step_deadline_s) and c.step_deadline_s >= 0):
+        _fail("step_deadline_s", f"must be a finite number of seconds > 0, or 0 for no deadline, "
+                                 f"got {c.step_deadline_s}")
 
 
 def _fail(name: str, reason: str) -> None:

@@ -29,20 +29,21 @@ Without a step attached, the same facts wait on the episode and the next step re
 opens the group (``open``).
 
 Faults. A function that raises, or whose tool phase (no call pending, not returned) outlasts
-``tool_timeout_s``, is re-run alone from its prompt: its calls are forgotten, the rest of its
-group keeps what it has. After ``max_failures`` re-runs the episode is given up: the member is
-marked ``failed`` and the step drops the group (counted). With ``mask_failed`` every such failure
-counts as an infrastructure fault (the function raised, its tool phase timed out, or the tokens it
-returned do not match the calls it was served; a wrong answer or a truncation is a finished episode,
-never a failure): the given-up member is masked instead (``TrajectoryStatus.FAILED``, no tokens) and
-the group goes on with its other members; a group left with fewer than two unmasked members (nothing
-to normalise against) is dropped as before. A function that cannot make progress
-stops the job instead of being re-run for ever (slime's own rollout raises at its first error): once
-``max_given_up_in_a_row`` episodes were given up with none finished between them, or at once when
-the function's result shows it cannot serve under the plugin (``EpisodeRefused``: a property of its
-code, which a re-run cannot change), the step ends with ``EpisodesFailing``, naming the function and
-its last failure. A suspended episode cannot be saved; the
-checkpoint keeps finished members and restarts the others from their prompts: the data source
+``tool_timeout_s``, or that is unfinished when the step deadline passes with its group due
+(``fail_at_deadline``; masked at once with ``mask_failed``), is re-run alone from its prompt: its
+calls are forgotten, the rest of its group keeps what it has. After ``max_failures`` re-runs the
+episode is given up: the member is marked ``failed`` and the step drops the group (counted). With
+``mask_failed`` every such failure counts as an infrastructure fault (the function raised, its tool
+phase timed out, or the tokens it returned do not match the calls it was served; a wrong answer or a
+truncation is a finished episode, never a failure): the given-up member is masked instead
+(``TrajectoryStatus.FAILED``, no tokens) and the group goes on with its other members; a group left
+with fewer than two unmasked members (nothing to normalise against) is dropped as before. A function
+that cannot make progress stops the job instead of being re-run for ever (slime's own rollout raises
+at its first error): once ``max_given_up_in_a_row`` episodes were given up with none finished
+between them, or at once when the function's result shows it cannot serve under the plugin
+(``EpisodeRefused``: a property of its code, which a re-run cannot change), the step ends with
+``EpisodesFailing``, naming the function and its last failure. A suspended episode cannot be saved;
+the checkpoint keeps finished members and restarts the others from their prompts: the data source
 resets them at load and names them to the runner (``restored``), which counts each once, as
 ``restarted``, when a step first opens it.
 """
@@ -158,6 +159,7 @@ class EpisodeCounters:
     given_up: int = 0
     masked: int = 0  # given-up members masked out of their group (mask_failed) instead of dropping it
     refused: int = 0  # results showing the function cannot serve under the plugin (the job stops)
+    deadline_failures: int = 0  # unfinished when the step deadline passed with their group due
     tool_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
@@ -355,8 +357,9 @@ class EpisodeRunner:
                          timed_out=True)
 
     def _failed(self, episode: Episode, why: str, timed_out: bool = False) -> None:
-        """Re-run the episode alone from its prompt, or give it up past ``max_failures``. A tool
-        phase that timed out is counted in ``timeouts``, any other fault in ``failures``."""
+        """Re-run the episode alone from its prompt, or give it up past ``max_failures``. A deadline
+        that passed (``timed_out``: a tool phase's, counted in ``timeouts``, or the step's, in
+        ``deadline_failures``) is counted by the caller, any other fault in ``failures``."""
         member = episode.member
         if self.episodes.get(member.uid) is not episode:
             return
@@ -408,6 +411,27 @@ class EpisodeRunner:
             if not call.reply.done():
                 call.reply.cancel()
         episode.pending = {}
+
+    def pending_call_uids(self, member: Trajectory) -> set[str]:
+        """The uids of the model calls ``member``'s episode made and has no reply for."""
+        episode = self.episodes.get(member.uid)
+        return set() if episode is None else {c.trajectory.uid for c in episode.pending.values()}
+
+    def fail_at_deadline(self, member: Trajectory, why: str) -> None:
+        """The step deadline passed with ``member``'s group due and its episode unfinished (a tool
+        or a model call that has not returned): an infrastructure fault. With ``mask_failed`` the
+        member is masked at once (a re-run could not be trained in time), else the episode fails as
+        any fault does: re-run from its prompt, or given up past ``max_failures``."""
+        episode = self.episodes.get(member.uid)
+        if episode is None or not episode.live:
+            return
+        self.counters.deadline_failures += 1
+        if self.mask_failed:
+            logger.warning("episode %s (attempt %d): %s; masked", member.uid, episode.attempt + 1, why)
+            self._stop(episode)
+            self._give_up(episode, why, mask=True)
+        else:
+            self._failed(episode, why, timed_out=True)
 
     def failure_of(self, member: Trajectory) -> str | None:
         episode = self.episodes.get(member.uid)
@@ -486,6 +510,13 @@ class EpisodeWork(TrajectoryWork):
 
     def busy(self, groups: list[Group]) -> bool:
         return any(self.runner.is_live(m) for g in groups for m in g.trajectories)
+
+    def items_of(self, member: Trajectory) -> set[str]:
+        return self.runner.pending_call_uids(member)
+
+    def fail_at_deadline(self, member: Trajectory, why: str) -> bool:
+        self.runner.fail_at_deadline(member, why)
+        return True
 
     @property
     def live_episodes(self) -> int:

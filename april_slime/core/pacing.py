@@ -25,7 +25,8 @@ or holding tokens, not accepted) with slack ``<= j`` number at most ``(T - accep
 At the next step the versions advance by one, every slack by one less, and the inequality at
 ``j`` becomes the one at ``j - 1``: it holds again. What pacing cannot prevent (an engine that
 stalls past the drain, versions jumping by more than one a step, a saved buffer from a job with a
-looser bound) is left to the buffer's restart / drop fallback, counted as before.
+looser bound, a due group still unfinished at the step deadline: ``release``) is left to the
+buffer's restart / drop fallback, counted as before.
 
 Protection (``max_interruptions: m``): a group suspended at the target ``m`` times (aborted with
 work left and carried to the next step, ``Group.interruptions``) is protected when its next step
@@ -61,6 +62,8 @@ class StalenessPacing:
         self.current_version = current_version
         self.target = target
         self.protected: set[str] = set()  # uids of the groups protected in this step
+        # uids of the due groups the step deadline let go (``release``): no deadline in this step
+        self.released: set[str] = set()
         self.deferrals = 0  # times a passing group was deferred
         self.slack_computations = 0  # the work the rules did (tests hold it linear)
         self._counted: dict[str, tuple[Group, int | None]] = {}  # live groups: uid -> (group, its slack)
@@ -79,6 +82,8 @@ class StalenessPacing:
 
     def _compute_slack(self, group: Group) -> int | None:
         self.slack_computations += 1
+        if group.uid in self.released:
+            return None
         if group.uid in self.protected:
             return 0
         if self.max_staleness is None:
@@ -87,6 +92,13 @@ class StalenessPacing:
 
     def must_finish(self, group: Group) -> bool:
         return self.slack(group) == 0
+
+    def release(self, group: Group) -> None:
+        """The step deadline passed with ``group`` due and unfinished: it no longer holds the step
+        (the caller tracks it again). It goes back to the buffer past its bound, where the buffer's
+        restart / drop fallback takes it, counted."""
+        self.released.add(group.uid)
+        self.protected.discard(group.uid)
 
     def order(self, group: Group) -> float:
         """Sort key: tightest slack first, no deadline last."""

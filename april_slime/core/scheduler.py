@@ -16,6 +16,8 @@ Who owns what (each module's docstring says the rest):
 * ``april_slime.core.calls``: the model calls in flight: rids, replies, cancellation, aborts.
 * ``april_slime.core.health``: engine health across steps; dispatch, stalls, probes and load
   polling within a step.
+* ``april_slime.core.deadline``: the step deadline, past which the due groups' unfinished samples
+  fail instead of holding the step.
 * ``april_slime.core.step_metrics``: the step's counters, timeline and metrics.
 * ``april_slime.core.step_context``: what the step's parts share (``StepContext``) and the typed
   events that change the step's state.
@@ -76,6 +78,7 @@ from april_slime.core.adaptive import AdaptiveConcurrencyController
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.calls import EngineCalls
 from april_slime.core.config import AprilConfig
+from april_slime.core.deadline import StepDeadline, sooner
 from april_slime.core.engine import EngineClient
 from april_slime.core.episodes import EpisodeRunner, EpisodeWork
 from april_slime.core.faults import CallFaults, RolloutStepError
@@ -264,6 +267,8 @@ class _Step:
         self.faults = CallFaults(self.ctx, health=sched.health, engines=self.engines, calls=self.calls,
                                  groups=self.groups, max_failures=sched.max_failures_per_trajectory,
                                  max_rejected_calls=sched.max_rejected_calls)
+        self.deadline = StepDeadline(self.ctx, groups=self.groups, calls=self.calls, faults=self.faults,
+                                     seconds=sched.config.step_deadline_s)
         self.timeline: list[TimelinePoint] = []
         self.t_target: float | None = None
         sched.last_timeline = self.timeline
@@ -347,9 +352,12 @@ class _Step:
         except TimeoutError:
             return False
         self._handle(event)
+        self._handle_queued()
+        return True
+
+    def _handle_queued(self) -> None:
         while not self.ctx.events.empty():
             self._handle(self.ctx.events.get_nowait())
-        return True
 
     def _handle(self, event: StepEvent) -> None:
         match event:
@@ -390,8 +398,10 @@ class _Step:
                 raise PromptsExhausted(
                     f"the prompt source is exhausted: {self.accepted_groups} of {self.ctx.target} "
                     f"groups complete and nothing left to generate")
-            await self._next_events(timeout=self.engines.until_stall_check())
+            await self._next_events(timeout=sooner(self.engines.until_stall_check(), self.deadline.left()))
             self.engines.check_stalls()
+            if self.deadline.check():  # past it, a due group's unfinished samples no longer hold the step
+                self._handle_queued()  # the ends it caused (a sample masked, given up) count before the next wait
             self._fill()
 
     def _fill(self) -> None:

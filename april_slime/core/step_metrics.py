@@ -29,7 +29,10 @@ pacing kept the bound), pacing_deferred_groups (passing groups held back until t
 pacing_held_opens (times a group was not opened because it could not be trained in time),
 pacing_forced_accepts (deferred groups accepted with nothing else left to run), protected_groups,
 suspended_groups (unfinished groups carried over at the target), interruptions_per_sample (mean
-aborted calls of the returned trajectories), interruptions_max.
+aborted calls of the returned trajectories), interruptions_max. The step deadline
+(``april_slime.core.deadline``): deadline_failed_samples (samples of due groups unfinished when it
+passed: masked, re-run or dropped), deadline_released_groups (due groups it let go unfinished, back
+to the buffer past their bound).
 
 The timeline (``RolloutScheduler.last_timeline``) has one ``TimelinePoint`` per instant at which
 the step settled; ``in_flight`` counts model calls, whatever kind of work item made them.
@@ -73,6 +76,8 @@ class StepCounters:
     suspended_groups: int = 0  # unfinished groups carried to the next step at the target
     pacing_held_opens: int = 0  # times the staleness pacing refused to open a group
     pacing_forced_accepts: int = 0  # deferred groups accepted although they did not fit
+    deadline_failed_samples: int = 0  # unfinished in a due group at the step deadline (core.deadline)
+    deadline_released_groups: int = 0  # due groups the deadline let go, unfinished, to the buffer
     resumed_uids: set[str] = field(default_factory=set)
 
 
@@ -148,6 +153,8 @@ def step_metrics(*, clock: Callable[[], float], t0: float, t_target: float | Non
         "pacing_forced_accepts": c.pacing_forced_accepts,
         "protected_groups": protected_groups,
         "suspended_groups": c.suspended_groups,
+        "deadline_failed_samples": c.deadline_failed_samples,
+        "deadline_released_groups": c.deadline_released_groups,
     }
     if episodes is not None:
         m.update({f"episodes/{k}": v for k, v in episodes.items()})

@@ -80,6 +80,16 @@ class TrajectoryWork:
 
     live_episodes = 0
 
+    def items_of(self, member: Trajectory) -> set[str]:
+        """The uids of the work items that make ``member``'s calls."""
+        return {member.uid}
+
+    def fail_at_deadline(self, member: Trajectory, why: str) -> bool:
+        """The step deadline passed with ``member`` unfinished in a due group (its call, if any, was
+        cancelled). Whether the work kind dealt with it; a trajectory does not: the step counts a
+        failed call (``faults.CallFaults.count_failure``)."""
+        return False
+
     def discard(self, group: Group) -> None:
         """The step discards ``group`` (dropped)."""
 
