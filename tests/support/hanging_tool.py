@@ -55,7 +55,7 @@ class HangingToolAgent:
         mask: list[int] = []
         for k, t in enumerate(calls):
             if k:
-                member.append(TOOL_IDS, [0.0] * len(TOOL_IDS), member.version_runs[-1][0])
+                member.append(TOOL_IDS, [0.0] * len(TOOL_IDS), member.version_runs.newest())
                 mask += [0] * len(TOOL_IDS)
             member.append(t.response_ids, t.logprobs, t.call_versions[-1], version_runs=t.version_runs)
             mask += [1] * t.response_length
