@@ -1,6 +1,7 @@
 #!/bin/bash
 # The same recipe on a CPU-only machine: slime's own train.py under Ray with the plugin's flags
-# (common.sh), a small Qwen3, one SGLang 0.5.15.post1 engine on the CPU, --debug-rollout-only
+# (common.sh), a small Qwen3, NUM_ENGINES SGLang 0.5.15.post1 engines on the CPU (default 1, one
+# fake GPU each: a cluster given by RAY_ADDRESS needs `ray start --num-gpus N`), --debug-rollout-only
 # (slime's trainer needs a GPU: see examples/README.md). The real test tier runs this script.
 #
 #   bash scripts/real-stack/setup.sh          # builds .venv/slime-launcher (SGLang 0.5.15.post1)
@@ -90,5 +91,6 @@ RUNTIME_ENV_JSON="{
   }
 }"
 
-# one fake GPU: the engine's slot in slime's placement group
-run_slime 1 "${RUNTIME_ENV_JSON}" "$@"
+# one fake GPU per engine: the engines' slots in slime's placement group (--colocate under
+# --debug-rollout-only: slime starts one engine per GPU of the "actor", --rollout-num-gpus-per-engine 1)
+run_slime "${NUM_ENGINES:-1}" "${RUNTIME_ENV_JSON}" "$@"

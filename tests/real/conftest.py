@@ -117,12 +117,12 @@ def real_stack(tmp_path_factory) -> RealStack:
 
 @pytest.fixture(scope="session")
 def old_stack(real_stack, tmp_path_factory) -> RealStack:
-    """One SGLang 0.5.15.post1 engine (the SGLang of slime's images at the pin) behind its router,
+    """Two SGLang 0.5.15.post1 engines (the SGLang of slime's images at the pin) behind their router,
     serving the stack's weights, shared by tests/real/test_sglang_0515.py and slime's launcher
-    tests (which use it as an external engine)."""
+    tests (which use them as external engines: a job runs more than one engine)."""
     python = sglang_0515_python()
     logs = tmp_path_factory.mktemp("sglang-0515-logs")
-    with local_stack(real_stack.model_path, n_engines=1, max_running_requests=MAX_RUNNING_REQUESTS,
+    with local_stack(real_stack.model_path, n_engines=2, max_running_requests=MAX_RUNNING_REQUESTS,
                      max_total_tokens=MAX_TOTAL_TOKENS, log_dir=logs, python=python) as stack:
         status, loads = http_json("GET", f"{stack.engine_urls[0]}/v1/loads")
         assert status == 200 and loads["version"] == SGLANG_0515, loads

@@ -2,7 +2,8 @@
 every generate goes through the router, every abort is fanned out to the engines (sglang-router has
 no /abort_request), and the guarantees hold as with direct dispatch: exactly ``rollout_batch_size``
 groups in slime's sample contract, no group trained twice, partials aborted at target resumed under
-other weights, and every token's log-prob the one transformers computes under its recorded version."""
+other weights, and every token's log-prob the one transformers computes under its recorded version;
+the router places the requests on every engine behind it (its own per-engine counts)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def test_router_dispatch_through_the_real_router(real_stack, hf_models, tmp_path
         return await request(self, method, url, path, payload, timeout_s)
 
     monkeypatch.setattr(HttpTransport, "request", recording)
+    answered_before = real_stack.router_answered()
     batch, n = 4, 2
     m = SlimeRolloutManager(plugin_args(real_stack, tmp_path, settings={
         "april_policy": "copris", "april_concurrency": 16, "april_dispatch": "router"}, batch=batch, n=n, max_len=200))
@@ -42,3 +44,7 @@ def test_router_dispatch_through_the_real_router(real_stack, hf_models, tmp_path
     assert generates == {router}, f"generates went to {generates}, not only through the router"
     aborted = {url for url, path in calls if path == "/abort_request"}
     assert aborted == engines, f"aborts went to {aborted}: every engine and never the router"
+    # the router reached every engine (its cache_aware policy spreads distinct prompts; how evenly is
+    # the router's business, so only that each engine answered some)
+    answered = real_stack.router_answered() - answered_before
+    assert all(answered[url] > 0 for url in engines), f"the router placed requests on {dict(answered)} only"

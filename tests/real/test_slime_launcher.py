@@ -5,12 +5,18 @@ Ray cluster; slime starts its router and its ``SGLangEngine`` actors, registers 
 ``POST /workers``, and calls the plugin under ``--debug-rollout-only`` (slime's Megatron trainer does
 not start on a CPU: docs/real-stack.md says where it stops).
 
-The jobs share one Ray cluster. The first starts SGLang itself, as slime does on a GPU node; the
-others use the session's SGLang 0.5.15.post1 engine as slime's external engine
-(``--rollout-external-engine-addrs``), which slime registers with its router the same way and
-spares each job an engine start. Everything is checked from what a user sees: slime's ``perf`` log
-lines (the plugin's ``april/*`` metrics), Ray's job status, the samples slime hands to training
-(``--save-debug-rollout-data``) and the plugin's checkpoint files.
+Every job runs two engines. The jobs share one Ray cluster. The first starts SGLang itself, as
+slime does on a GPU node, under slime's fault tolerance (``--use-fault-tolerance``): one of its
+engines is SIGKILLed while the plugin's requests run on it, slime's ``RolloutHealthMonitor`` kills
+what is left of it, the rollout finishes on the other engine, and the engine slime recovers takes
+requests again. The others use the session's two SGLang 0.5.15.post1 engines as slime's external
+engines (``--rollout-external-engine-addrs``), which slime registers with its router the same way
+and spares each job the engine starts. Everything is checked from what a user sees: slime's
+``perf`` log lines (the plugin's ``april/*`` metrics), Ray's job status and log, the samples slime
+hands to training (``--save-debug-rollout-data``) and the plugin's checkpoint files; the fault
+tolerance also from inside the job (``tests/support/slime_faults.py``: which engine served each
+request, and slime's recovery, which ``--debug-rollout-only`` skips, run where the weight update
+would run it).
 
 Also here: the router registration race itself, made to happen on the real sglang-router.
 """
@@ -18,15 +24,25 @@ Also here: the router registration race itself, made to happen on the real sglan
 from __future__ import annotations
 
 import asyncio
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.support import ROOT
 from tests.support.real_tier import http_json, write_prompts
 from tests.support.slime_launcher import (
+    ENGINES,
     JOB_TIMEOUT_S,
+    RUN_CPU,
+    Job,
     RayCluster,
     debug_samples,
+    kill_engine,
     launch,
     launcher_missing,
     wait_for,
@@ -39,6 +55,19 @@ BATCH, N = 4, 2
 LONG_BUDGET = 256
 KILL_BY = 8  # the april job is killed at the first of its next 7 checkpoints that holds a partial
 KILLS = 3  # kills until one leaves a checkpoint holding a partial (a save can land between check and kill)
+# slime's fault tolerance: an engine is killed in rollout 0 once this many of the plugin's requests
+# are in flight on it, and recovered at the top of rollout 1 (where the weight update would run it).
+# Rollout 0 ends with more groups complete than it trains (its surplus: up to 3 rollouts' worth
+# here), which the next rollouts return without a request; the rollouts after that send requests.
+KILL_ROLLOUT, KILL_AT, RECOVER_BEFORE, FAULT_ROLLOUTS = 0, 2, 1, 6
+ENGINE_KILLS = 3  # jobs until the kill lands while the plugin's requests run (else it came too late)
+FAULT_TOLERANCE = (
+    "--use-fault-tolerance",
+    # a dead engine fails its check at once (connection refused); a live one loaded with the plugin's
+    # requests on a busy machine may take long to answer, and must not be taken for dead
+    "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "120",
+    "--rollout-health-check-first-wait", "0",
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +86,8 @@ def prompts(tmp_path_factory):
 
 
 def external(old_stack) -> list[str]:
-    return ["--rollout-external-engine-addrs", old_stack.engine_urls[0].removeprefix("http://")]
+    assert len(old_stack.engine_urls) == ENGINES, old_stack.engine_urls
+    return ["--rollout-external-engine-addrs", *(u.removeprefix("http://") for u in old_stack.engine_urls)]
 
 
 def write_config(path, **settings):
@@ -123,23 +153,133 @@ def resumed_in_a_later_rollout(perf: dict[int, dict]) -> int:
     return sum(int(perf[r].get("april/resumed_trajectories", 0)) for r in perf if r > min(perf))
 
 
-# ---------------------------------------------------------------------------------------- jobs
-def test_copris_with_the_engines_slime_starts(cluster, prompts, real_stack, tmp_path):
-    """The README's flags and examples/.../configs/copris.yaml, slime starting its own SGLang
-    engine and router: three rollouts, partials aborted at one target and resumed at the next,
-    auto dispatch choosing direct (regular workers)."""
-    job, trained = run_job(cluster, tmp_path, "copris", MODE="copris", HF_CHECKPOINT=real_stack.model_path,
-                           PROMPT_DATA=prompts, NUM_ROLLOUT=3, ROLLOUT_MAX_RESPONSE_LEN=LONG_BUDGET)
-    assert_succeeded(job, job.wait())
+# ------------------------------------------------------------------- slime's fault tolerance
+@dataclass
+class FaultRun:
+    """A copris job under slime's fault tolerance whose engine was killed (``copris_job``): the
+    job, the samples slime handed to training, and, from inside the job, every generate the plugin
+    sent (``slime_faults``: per rollout, each with its engine, when it was sent and ended, and its
+    reply's tokens or its error), the engine killed, when, and what slime recovered."""
+
+    job: Job
+    trained: Path
+    faults: Path
+    killed: str  # the engine's URL
+    killed_at: float  # wall clock, as the job's records
+    recovered: dict
+
+    def calls(self, rollout_id: int) -> list[dict]:
+        return json.loads((self.faults / f"rollout_{rollout_id}.json").read_text())
+
+    def replies(self, rollout_id: int) -> Counter:
+        """Generates answered, per engine."""
+        return Counter(c["url"] for c in self.calls(rollout_id) if "error" not in c)
+
+    def sent(self, rollout_id: int) -> Counter:
+        return Counter(c["url"] for c in self.calls(rollout_id))
+
+    def cut_by_the_kill(self) -> list[dict]:
+        """The plugin's requests that were running on the killed engine when it was killed: sent
+        before the kill, ended after it, with an error."""
+        return [c for c in self.calls(KILL_ROLLOUT) if c["url"] == self.killed and "error" in c
+                and c["sent"] < self.killed_at < c["ended"]]
+
+
+@pytest.fixture(scope="module")
+def copris_job(cluster, prompts, long_weights, tmp_path_factory) -> FaultRun:
+    """The README's flags and examples/.../configs/copris.yaml on the two engines slime starts, with
+    ``--use-fault-tolerance``: six rollouts, one engine SIGKILLed in rollout 0 as soon as two of the
+    plugin's requests are in flight on it (its server process and every process it started; the
+    test finds them by the port the engine serves), slime's recovery at the top of rollout 1. The
+    weights almost never end a response early (``long_weights``): every request runs its whole
+    budget, so the kill lands seconds before the requests could end. One that lands after the
+    requests on that engine ended is no test of the fault: the job runs again (at most
+    ``ENGINE_KILLS`` times)."""
+    example = yaml.safe_load((RUN_CPU.parent / "configs" / "copris.yaml").read_text(encoding="utf-8"))
+    for _ in range(ENGINE_KILLS):
+        folder = tmp_path_factory.mktemp("copris")
+        faults = folder / "faults"
+        config = write_config(folder / "copris.yaml", **example, faults_dir=str(faults),
+                              faults_kill_rollout=KILL_ROLLOUT, faults_kill_at=KILL_AT,
+                              faults_recover_before=RECOVER_BEFORE)
+        job, trained = run_job(cluster, folder, "copris", *FAULT_TOLERANCE,
+                               "--rollout-function-path", "tests.support.slime_faults.generate_rollout",
+                               MODE="copris", APRIL_CONFIG=config, NUM_ENGINES=ENGINES, EXTRA_PYTHONPATH=ROOT,
+                               HF_CHECKPOINT=long_weights[0], PROMPT_DATA=prompts,
+                               NUM_ROLLOUT=FAULT_ROLLOUTS, ROLLOUT_MAX_RESPONSE_LEN=LONG_BUDGET)
+        wait_for(faults / "in_flight.json", job, poll_s=0.05)
+        killed = json.loads((faults / "in_flight.json").read_text())["url"]
+        killed_at = time.time()
+        assert kill_engine(killed), f"no process of the engine {killed} to kill"
+        assert_succeeded(job, job.wait())
+        run = FaultRun(job, trained, faults, killed, killed_at, json.loads((faults / "recovered.json").read_text()))
+        if run.cut_by_the_kill():
+            return run
+    pytest.fail(f"in {ENGINE_KILLS} jobs the kill never landed while the plugin's requests ran on the engine")
+
+
+def test_copris_with_the_engines_slime_starts(copris_job):
+    """Partials aborted at one target and resumed at the next, auto dispatch choosing direct
+    (regular workers), whole batches, nothing trained twice, an engine's death and return
+    included (``copris_job``)."""
+    job = copris_job.job
     perf = job.perf()
-    assert sorted(perf) == [0, 1, 2], job.tail()
+    assert sorted(perf) == list(range(FAULT_ROLLOUTS)), job.tail()
     assert all(p["april/policy_version"] == 0 for p in perf.values())
     assert perf[0]["april/aborted_tokens"] > 0, perf[0]
     assert resumed_in_a_later_rollout(perf) > 0, perf
     assert "april_slime: direct dispatch" in job.log
-    check_batches(debug_samples(trained), range(3))
+    check_batches(debug_samples(copris_job.trained), range(FAULT_ROLLOUTS))
 
 
+def test_an_engine_killed_mid_rollout_through_slimes_fault_tolerance(copris_job):
+    """Through slime's ``train.py`` with ``--use-fault-tolerance`` on two engines: the plugin's
+    requests run on both; one engine is SIGKILLed while they run on it; slime's health monitor finds
+    it dead and kills it (``RolloutHealthMonitor``: the actor shut down, the engine deleted from the
+    router); the rollout finishes on the other engine alone; the engine
+    ``recover_updatable_engines`` starts in its place takes requests again in the rollouts after.
+    What each engine was sent and served, per rollout, is in the assertion messages (and printed).
+
+    Recovery: slime's trainer calls ``recover_updatable_engines`` from ``update_weights``, which
+    returns first under ``--debug-rollout-only`` (slime/backends/megatron_utils/actor.py), so a CPU
+    job never recovers by itself; ``slime_faults`` calls that same method of the job's
+    ``RolloutManager`` where the weight update would, once the monitor has marked the engine dead."""
+    run = copris_job
+    log = run.job.log
+    served = {r: dict(run.replies(r)) for r in range(FAULT_ROLLOUTS)}
+    before = Counter(c["url"] for c in run.calls(KILL_ROLLOUT) if c["sent"] < run.killed_at)
+    assert len(before) == ENGINES and run.killed in before, f"before the kill the requests went to {dict(before)}"
+    (survivor,) = set(before) - {run.killed}
+
+    # the kill landed while the plugin's requests ran on the engine; they went on on the other one
+    cut = run.cut_by_the_kill()
+    assert cut, "no request was running on the engine when it was killed"
+    after_kill = [c for c in run.calls(KILL_ROLLOUT) if "error" not in c and c["ended"] > run.killed_at]
+    assert after_kill and {c["url"] for c in after_kill} == {survivor}, served[KILL_ROLLOUT]
+    perf = run.job.perf()
+    assert perf[KILL_ROLLOUT]["april/engine_errors"] > 0, perf[KILL_ROLLOUT]
+
+    # slime's health monitor found the engine dead and killed it
+    assert "Health check failed for rollout engine" in log, run.job.tail()
+    assert run.killed not in run.recovered["listed_before"], run.recovered
+
+    # the engine slime recovered (on whatever port was free) takes requests again
+    assert "Recovered 1 dead rollout engines" in log, run.job.tail()
+    (recovered,) = set(run.recovered["engines"]) - {survivor}
+    later = range(RECOVER_BEFORE, FAULT_ROLLOUTS)
+    generating = [r for r in later if run.calls(r)]
+    assert generating, f"no rollout after the recovery sent a request (all from rollout 0's surplus): {served}"
+    recovered_served = sum(served[r].get(recovered, 0) for r in later)
+    assert recovered_served > 0, f"the recovered engine {recovered} served nothing: {served}"
+    assert all(c["url"] in (survivor, recovered) for r in later for c in run.calls(r)), served
+    print(f"requests sent per engine before the kill {dict(before)}; served per engine and rollout (killed "
+          f"{run.killed} in rollout {KILL_ROLLOUT}, {len(cut)} of its requests cut; recovered as {recovered} "
+          f"before rollout {RECOVER_BEFORE}): {served}; "
+          f"recovery waited {run.recovered['waited_for_monitor_s']:.1f} s for the monitor, "
+          f"{run.recovered['waited_for_router_s']:.1f} s for the router")
+
+
+# -------------------------------------------------------------------------------- other jobs
 def test_april_with_router_dispatch_killed_and_restarted_from_its_checkpoint(cluster, prompts, old_stack,
                                                                             tmp_path):
     """april through the router (april_dispatch: router), saving every rollout; the driver is

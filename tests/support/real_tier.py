@@ -14,9 +14,11 @@ import importlib.util
 import json
 import math
 import os
+import re
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from april_workbench.tiny_qwen3 import build_tiny_qwen3  # noqa: F401  (for the 
 EOS_RATE = 1 / 24
 MAX_RUNNING_REQUESTS = 16
 MAX_TOTAL_TOKENS = 32768
+_WORKER_OUTCOMES = re.compile(r'^smg_worker_cb_outcomes_total\{[^}]*worker="(?P<worker>[^"]+)"[^}]*\}\s+(?P<count>\S+)')
 
 
 def why_skipped() -> str | None:
@@ -118,6 +121,20 @@ class RealStack:
         version = max(self.weight_versions()) + 1
         self.push_weights(self.model_path, version)
         return version
+
+    def router_answered(self) -> Counter:
+        """How many requests each engine has answered through the router since it started (its
+        Prometheus counter ``smg_worker_cb_outcomes_total``, by worker, every outcome)."""
+        if self.stack.router is None:
+            raise RuntimeError("the stack's router is not this session's own (APRIL_REAL_REUSE): no metrics to read")
+        with urllib.request.urlopen(self.stack.router.metrics_url, timeout=30) as reply:
+            text = reply.read().decode()
+        answered: Counter = Counter({url: 0 for url in self.engine_urls})
+        for line in text.splitlines():
+            match = _WORKER_OUTCOMES.match(line)
+            if match:
+                answered[match["worker"].rstrip("/")] += int(float(match["count"]))
+        return answered
 
     def wait_idle(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s

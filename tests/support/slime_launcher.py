@@ -11,6 +11,7 @@ hands to training (``--save-debug-rollout-data``), and the plugin's checkpoints.
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import re
 import shutil
@@ -29,6 +30,8 @@ LAUNCHER_VENV = ROOT / ".venv" / "slime-launcher"
 RUN_CPU = ROOT / "examples" / "qwen3-4B-dapo-math" / "run-cpu.sh"
 # a job on a loaded 2-core machine: start-up (imports, Ray actors, engine) takes minutes
 JOB_TIMEOUT_S = 1200.0
+# the engines a job runs (NUM_ENGINES of run-cpu.sh), and the fake GPUs the cluster has for them
+ENGINES = 2
 _PERF = re.compile(r"rollout_metrics\.py:\d+ - perf (\d+): (\{.*\})\s*$")
 
 
@@ -61,7 +64,8 @@ def launcher_env(**values: Any) -> dict[str, str]:
 
 class RayCluster:
     """A head node of its own (free ports, a short temp dir: Ray's socket paths must stay short), with
-    one fake GPU and the dashboard that ``ray job submit`` talks to; shared by the module's jobs."""
+    a fake GPU for each of a job's ``ENGINES`` engines and the dashboard that ``ray job submit`` talks
+    to; shared by the module's jobs."""
 
     def __init__(self) -> None:
         self.temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
@@ -79,7 +83,7 @@ class RayCluster:
     def start(self) -> RayCluster:
         done = self._ray("start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.gcs_port),
                          "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
-                         "--num-gpus", "1", "--num-cpus", "8", "--disable-usage-stats",
+                         "--num-gpus", str(ENGINES), "--num-cpus", "8", "--disable-usage-stats",
                          "--temp-dir", str(self.temp_dir))
         if done.returncode != 0:
             raise RuntimeError(f"ray start failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-2000:]}")
@@ -190,7 +194,7 @@ def debug_samples(folder: Path) -> dict[int, list[dict]]:
     return out
 
 
-def wait_for(path: Path, job: Job, timeout: float = JOB_TIMEOUT_S) -> None:
+def wait_for(path: Path, job: Job, timeout: float = JOB_TIMEOUT_S, poll_s: float = 1.0) -> None:
     """Until ``path`` exists; fails with the job's log if the job ended first."""
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -198,4 +202,23 @@ def wait_for(path: Path, job: Job, timeout: float = JOB_TIMEOUT_S) -> None:
             raise AssertionError(f"the job ended ({job.process.returncode}) before {path} was written:\n{job.tail()}")
         if time.monotonic() > deadline:
             raise AssertionError(f"{path} not written within {timeout:.0f} s:\n{job.tail()}")
-        time.sleep(1.0)
+        time.sleep(poll_s)
+
+
+def kill_engine(url: str) -> list[int]:
+    """SIGKILL the SGLang server serving ``url`` (the process listening on its port) and every process
+    it started (its scheduler, its detokenizer), at once, as a node or accelerator fault ends them;
+    slime's ``SGLangEngine`` actor, which started it, lives on. Returns the PIDs killed."""
+    import psutil
+
+    port = int(url.rstrip("/").rsplit(":", 1)[1])
+    listeners = {c.pid for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid}
+    if len(listeners) != 1:
+        raise AssertionError(f"expected one process listening on port {port} ({url}), found {sorted(listeners)}")
+    server = psutil.Process(listeners.pop())
+    victims = [server, *server.children(recursive=True)]
+    for process in victims:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGKILL)
+    return [p.pid for p in victims]

@@ -294,6 +294,7 @@ class LocalRouter:
         self.port = port
         self.policy = policy
         self.extra_args = list(extra_args)
+        self.prometheus_port: int | None = None
         self._process = _Process("sglang-router", Path(log_path) if log_path else None)
 
     @property
@@ -306,12 +307,21 @@ class LocalRouter:
     def log_path(self) -> Path | None:
         return self._process.log_path
 
+    @property
+    def metrics_url(self) -> str:
+        """The router's Prometheus metrics (``smg_worker_cb_outcomes_total{worker=...}`` counts the
+        requests each engine answered through it, circuit breaker off or not)."""
+        if self.prometheus_port is None:
+            raise RuntimeError("router not started: no metrics port yet")
+        return f"http://{self.host}:{self.prometheus_port}/metrics"
+
     def command(self) -> list[str]:
         # no worker URLs: engines are registered later with POST /workers, as slime registers them
         workers = ["--worker-urls", *self.worker_urls] if self.worker_urls else []
+        self.prometheus_port = free_port(self.host)
         cmd = [sys.executable, "-m", "sglang_router.launch_router", *workers,
                "--host", self.host, "--port", str(self.port), "--prometheus-host", self.host,
-               "--prometheus-port", str(free_port(self.host)), "--disable-circuit-breaker",
+               "--prometheus-port", str(self.prometheus_port), "--disable-circuit-breaker",
                "--disable-health-check"]
         if self.policy:
             cmd += ["--policy", self.policy]
