@@ -67,7 +67,7 @@ class EmulatedReplay:
         output_ids = [int(t) for t in output_ids]  # a list, or the engine's numpy array
         if not isinstance(payload, dict) or not output_ids:
             return
-        input_ids = list(payload.get("input_ids") or [])
+        input_ids = [int(t) for t in payload.get("input_ids", ())]  # a list, or the client's int32 array
         runs = meta.get("emulator_version_runs") or [[0, int(meta.get("weight_version", 0))]]
         versions = _token_versions(runs, len(output_ids))
         tokens = input_ids + list(output_ids)

@@ -60,7 +60,7 @@ class TracingTransport:
             engine_s = meta.get("e2e_latency")
             finish = meta.get("finish_reason") or {}
             self.records.append(CallRecord(
-                url, sent, loop.time(), len(payload.get("input_ids") or ()) if payload else 0,
+                url, sent, loop.time(), len(payload.get("input_ids", ())) if payload else 0,
                 int(meta.get("completion_tokens") or 0),
                 float(engine_s) if isinstance(engine_s, (int, float)) else None,
                 str(finish.get("type") if isinstance(finish, dict) else finish)))
