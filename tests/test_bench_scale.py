@@ -39,3 +39,14 @@ def test_the_command_writes_its_json(tmp_path, capsys):
     assert [r["bound"] for r in result["scheduler"]] == [2]
     assert [c["routed"] for c in result["checkpoint"]] == [None, list(scale.ROUTED)]
     assert "plugin ms / call" in capsys.readouterr().out
+
+
+def test_the_docs_show_the_committed_run():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = json.loads((root / "docs/results/bench_scale.json").read_text())
+    doc = (root / "docs/performance.md").read_text()
+    for table in scale.report(result).split("\n\n"):
+        assert table in doc, "docs/performance.md does not show docs/results/bench_scale.json (rerun the report)"
+    assert not result["quick"] and {r["n_prime"] for r in result["scheduler"]} >= {64, 4096}
