@@ -177,9 +177,9 @@ def run_kill_scenario(policy: str) -> dict:
                 engines.kill_at_abort = None
             else:
                 raise AssertionError("in 5 steps the abort at the target never went to the victim")
-            engines.restart(victim)
-            for _ in range(3):  # every item the kill at the abort took is sent again
+            for _ in range(3):  # every item the kill at the abort took is sent again, to the live engine
                 await step()
+            engines.restart(victim)
             await client.close()
             out.update(victim=victim, live=live, log=log)
             return out
