@@ -214,6 +214,9 @@ def test_engine_killed_mid_generation_and_at_the_abort(policy):
               f"{metrics[M + 'engine_fault_lost_call_s']:.2f}")
         assert 0.5 * exact <= est <= 2 * exact, (where, est, exact)
     assert [where for where, *_ in out["kills"]] == ["mid-generation", "at the abort"]
+    kill_step = next(s for s in out["steps"] if s["killed_at"] is not None)
+    assert kill_step["killed_at"] - kill_step["start"] < kill_step["metrics"][M + "time_to_target_s"], (
+        "the mid-generation kill came after the target")
     assert sum(s["resumed"] for s in out["steps"]) > 0, "no buffered partial was resumed"
 
 

@@ -78,6 +78,16 @@ class CallLog:
                 last[a.rid] = a
         return {rid: a for rid, a in last.items() if a.error is not None}
 
+    def running_at(self, url: str, t: float) -> set[str]:
+        """rids of the calls with an attempt on ``url`` in flight at time ``t``."""
+        return {a.rid for a in self.attempts
+                if a.url == url and a.sent <= t and (a.ended is None or a.ended >= t)}
+
+    def first_call(self, rid: str) -> Attempt | None:
+        """The first attempt of the first call of ``rid``'s work item (its prompt alone)."""
+        head = rid.rsplit("#", 1)[0]
+        return next((a for a in self.attempts if a.item == head), None)
+
     def next_call(self, rid: str) -> Attempt | None:
         """The first attempt of the call that followed ``rid`` for the same work item."""
         head, n = rid.rsplit("#", 1)
