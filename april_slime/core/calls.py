@@ -47,7 +47,12 @@ class Call:
     item: CallItem
     engine_url: str
     rid: str
+    max_new_tokens: int = 0  # what the engine was asked to generate
+    sent_at: float = 0.0  # loop time the call started
     task: asyncio.Task | None = None
+
+    def running_s(self, now: float) -> float:
+        return max(now - self.sent_at, 0.0)
 
 
 class EngineCalls:
@@ -70,7 +75,7 @@ class EngineCalls:
         url = self.engines.pick()
         rid = f"{item.uid}#{item.num_calls}"
         item.num_calls += 1
-        call = Call(item, url, rid)
+        call = Call(item, url, rid, max_new_tokens, self.step.loop.time())
         self.in_flight[rid] = call
         self.engines.call_started(url)
         self.step.counters.engine_calls += 1

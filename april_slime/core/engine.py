@@ -104,47 +104,59 @@ async def _call_with_retries(
     """
     stats.calls += 1
     last_error = "no attempt made"
+    clock = asyncio.get_running_loop().time
+    held_s = 0.0  # the engine held the attempts this long (EngineError.engine_s)
     for attempt in range(max_retries + 1):
         if attempt > 0:
             stats.retries += 1
             await asyncio.sleep(retry_backoff_s * 2 ** (attempt - 1))
+        sent = clock()
         try:
             # The client enforces the deadline itself, so in-process transports need not; it reads
             # the loop's clock, which keeps timeouts meaningful under a virtual-time loop.
             async with asyncio.timeout(timeout_s):
                 return await transport.request(method, url, path, payload, timeout_s)
         except TransportHTTPError as exc:
+            held_s += clock() - sent
             if 400 <= exc.status < 500:
                 stats.client_errors += 1
                 stats.failed_calls += 1
-                raise RequestRejected(
+                raise _held(RequestRejected(
                     f"engine {url} rejected {method} {path} with HTTP {exc.status}: {exc.body}",
                     exc.status,
-                ) from exc
+                ), held_s) from exc
             stats.server_errors += 1
             last_error = f"HTTP {exc.status}: {exc.body}"
         except TimeoutError:
             # Must come before OSError: TimeoutError is a subclass of OSError.
+            held_s += clock() - sent
             stats.timeouts += 1
             last_error = f"no reply within {timeout_s:g} s"
             if before_retry_after_timeout is not None and attempt < max_retries:
                 await before_retry_after_timeout()
         except (ConnectionError, OSError) as exc:
+            held_s += clock() - sent
             stats.connection_errors += 1
             last_error = f"{type(exc).__name__}: {exc}"
         except ValueError as exc:
+            held_s += clock() - sent
             stats.reply_errors += 1
             stats.failed_calls += 1
-            raise EngineReplyError(f"engine {url} {method} {path}: {exc}") from exc
+            raise _held(EngineReplyError(f"engine {url} {method} {path}: {exc}"), held_s) from exc
         logger.warning(
             "engine %s %s %s failed (attempt %d of %d): %s",
             url, method, path, attempt + 1, max_retries + 1, last_error,
         )
     stats.failed_calls += 1
-    raise EngineUnavailable(
+    raise _held(EngineUnavailable(
         f"engine {url} {method} {path} failed after {max_retries + 1} attempts; "
         f"last error: {last_error}"
-    )
+    ), held_s)
+
+
+def _held(error: EngineError, held_s: float) -> EngineError:
+    error.engine_s = held_s
+    return error
 
 
 @dataclass(frozen=True)

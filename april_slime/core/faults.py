@@ -11,6 +11,9 @@
   then every request is refused, and going on would drop the whole dataset.
 * The calls of a stalled engine are cancelled and their items resubmitted elsewhere, each counted as
   a failure, so a wedged engine cannot loop forever.
+* What an engine fault cost is counted per lost call (``count_lost``: the seconds the engine held
+  it, its token budget, the tokens of an unusable reply), for the step's ``engine_fault_*``
+  metrics (``april_slime.core.step_metrics``).
 During a drain nothing is resubmitted and no failure ends the step: the item stays with its group.
 """
 
@@ -24,6 +27,7 @@ from april_slime.core.health import EngineHealth, EngineWatch
 from april_slime.core.ledger import DROP_REJECTED, Place
 from april_slime.core.sglang_protocol import EngineError, RequestRejected
 from april_slime.core.step_context import StepContext
+from april_slime.core.step_metrics import LostCall
 from april_slime.core.types import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -58,8 +62,17 @@ class CallFaults:
         if self.calls.forget(call):
             self.step.work.unanswered(call.item)
 
-    def call_failed(self, call: Call, error: EngineError) -> None:
+    def count_lost(self, call: Call, engine_s: float | None = None, seen: int | None = None) -> None:
+        """``call`` ended without a usable reply through an engine fault: whatever the engine
+        generated for it is gone. ``engine_s``: how long the engine held it (the client's measure;
+        else the call's time in flight); ``seen``: the tokens of a reply that came but was unusable."""
+        held = call.running_s(self.step.loop.time()) if engine_s is None else engine_s
+        self.step.counters.lost_to_faults.append(LostCall(held, call.max_new_tokens, seen))
+
+    def call_failed(self, call: Call, error: EngineError, seen: int | None = None) -> None:
+        """``seen``: the tokens of the reply, when the call was answered but its reply unusable."""
         self.step.counters.engine_errors += 1
+        self.count_lost(call, error.engine_s, seen)
         self.health.exclude(call.engine_url, f"generate {call.rid} failed: {error}")
         self.engines.start_probe(call.engine_url)
         self.count_failure(call.item, f"generate {call.rid} on {call.engine_url} failed: {error}")
@@ -105,6 +118,7 @@ class CallFaults:
         if calls:
             self.calls.abort_later(url, None)
         for call in calls:
+            self.count_lost(call)
             self.forget_call(call)
         for call in calls:
             self.count_failure(call.item, f"generate {call.rid} cancelled: engine {url} stalled")

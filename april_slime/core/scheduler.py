@@ -434,6 +434,7 @@ class _Step:
             error = self.ctx.work.absorb(t, result, self.draining)
             self.groups.tokens_changed(t.group_uid)
         if error is None:
+            self.ctx.counters.answered_call_s += call.running_s(self.ctx.loop.time())
             self.s.health.readmit(call.engine_url)
             if t.status.finished:
                 group = self.ledger.get(t.group_uid, Place.ACTIVE)
@@ -446,7 +447,7 @@ class _Step:
         if isinstance(error, RequestRejected):
             self.faults.rejected(call, error)
         elif isinstance(error, EngineError):
-            self.faults.call_failed(call, error)
+            self.faults.call_failed(call, error, seen=None if result is None else len(result.output_ids))
         else:
             raise error
 
@@ -488,6 +489,7 @@ class _Step:
 
     def _cut_at_deadline(self) -> None:
         for call in list(self.calls.in_flight.values()):
+            self.faults.count_lost(call)
             self.faults.forget_call(call)
             self.ctx.counters.drain_cancelled_calls += 1
             self.s.health.exclude(call.engine_url, f"no reply to the abort of {call.rid} within the "

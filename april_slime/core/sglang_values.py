@@ -19,7 +19,13 @@ LOGPROB_TOLERANCE = 1e-4
 
 
 class EngineError(RuntimeError):
-    """An engine call failed; the message names the engine and the reason."""
+    """An engine call failed; the message names the engine and the reason.
+
+    ``engine_s``: the seconds the engine held the call's attempts (each from its send to its
+    failure; the client's backoff between attempts left out), set by the client on a call that
+    was sent; None where nothing was sent or the client did not say."""
+
+    engine_s: float | None = None
 
 
 class EngineUnavailable(EngineError):

@@ -23,6 +23,16 @@ current_version), staleness_mean, staleness_max, staleness_hist/<k> (returned tr
 oldest token lags k versions), token_staleness_mean, token_staleness_max, token_staleness_hist/<k>
 (returned tokens generated k versions ago).
 
+Engine faults: engine_fault_lost_calls (calls whose output an engine fault lost: the engine died,
+stalled, failed the call after the client's retries, sent an unusable reply, or left the abort
+unanswered at the drain deadline), engine_fault_lost_call_s (the seconds the engines held those
+calls: each from its send to its failure, the client's retry backoff left out), and the tokens
+those calls had generated, which a non-streaming reply shows only when it arrives, so they are
+known in two ways: engine_fault_lost_tokens_max (at most this: what the calls had been asked to
+generate, or what an unusable reply held) and engine_fault_lost_tokens_est (an estimate: each
+lost call's seconds times the step's tokens per call-second over its answered calls, at most its
+budget; an unusable reply's tokens exactly; 0 when no call of the step was answered).
+
 Staleness pacing and protection (``april_slime.core.pacing``): stale_fallback_groups and
 stale_discarded_tokens (what the buffer's restart / drop fallback threw away this step; 0 when
 pacing kept the bound), pacing_deferred_groups (passing groups held back until tighter ones fit),
@@ -46,6 +56,22 @@ from dataclasses import dataclass, field
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.keys import METRIC_PREFIX
 from april_slime.core.types import Group
+
+
+@dataclass(frozen=True)
+class LostCall:
+    """A call whose output an engine fault lost: the seconds the engine held it, the tokens it had
+    been asked for, and the tokens its reply held when the reply came but could not be used
+    (None: no reply was seen)."""
+
+    engine_s: float
+    asked: int
+    seen: int | None = None
+
+    def tokens_est(self, tokens_per_call_s: float) -> float:
+        if self.seen is not None:
+            return float(self.seen)
+        return min(float(self.asked), self.engine_s * tokens_per_call_s)
 
 
 @dataclass
@@ -78,6 +104,8 @@ class StepCounters:
     pacing_forced_accepts: int = 0  # deferred groups accepted although they did not fit
     deadline_failed_samples: int = 0  # unfinished in a due group at the step deadline (core.deadline)
     deadline_released_groups: int = 0  # due groups the deadline let go, unfinished, to the buffer
+    answered_call_s: float = 0.0  # seconds the calls whose replies were absorbed ran, for the rate
+    lost_to_faults: list[LostCall] = field(default_factory=list)
     resumed_uids: set[str] = field(default_factory=set)
 
 
@@ -155,6 +183,7 @@ def step_metrics(*, clock: Callable[[], float], t0: float, t_target: float | Non
         "suspended_groups": c.suspended_groups,
         "deadline_failed_samples": c.deadline_failed_samples,
         "deadline_released_groups": c.deadline_released_groups,
+        **engine_fault_losses(c),
     }
     if episodes is not None:
         m.update({f"episodes/{k}": v for k, v in episodes.items()})
@@ -176,6 +205,16 @@ def step_metrics(*, clock: Callable[[], float], t0: float, t_target: float | Non
     m["interruptions_max"] = max((t.num_aborts for t in trajectories), default=0)
     m.update(token_staleness(trajectories, current_version))
     return {METRIC_PREFIX + k: float(v) for k, v in m.items()}
+
+
+def engine_fault_losses(c: StepCounters) -> dict[str, float]:
+    """What engine faults cost the step in calls, engine seconds and tokens (module docstring)."""
+    rate = c.generated_tokens / c.answered_call_s if c.answered_call_s > 0 else 0.0
+    lost = c.lost_to_faults
+    return {"engine_fault_lost_calls": len(lost),
+            "engine_fault_lost_call_s": sum(x.engine_s for x in lost),
+            "engine_fault_lost_tokens_max": sum(x.asked if x.seen is None else x.seen for x in lost),
+            "engine_fault_lost_tokens_est": sum(x.tokens_est(rate) for x in lost)}
 
 
 def token_staleness(trajectories, current_version: int) -> dict[str, float]:
