@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
@@ -62,6 +62,9 @@ class GenerateResult:
     retractions: int = 0  # meta_info.num_retractions: times the engine retracted this request
     # what the job replays in training (routed experts, top-p kept ids), when it asked for it
     replay: SegmentReplay | None = None
+    # the same ids and log-probs as the numpy arrays the reply checks built (None when the item
+    # by item checks ran): what a trajectory stores, without turning the lists back into arrays
+    token_arrays: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.version_runs is None:
@@ -117,6 +120,14 @@ def output_tokens(output_ids: Any, triples: Any, vocab_size: int | None,
     log-probs) as fresh lists, once every per-token check has passed: triples well formed,
     log-probs finite and <= ``LOGPROB_TOLERANCE``, ids integers in ``[0, vocab_size)``, the same
     ids in both places. Raises ``EngineReplyError`` naming the first bad position."""
+    ids, logprobs, _ = checked_output_tokens(output_ids, triples, vocab_size, where)
+    return ids, logprobs
+
+
+def checked_output_tokens(output_ids: Any, triples: Any, vocab_size: int | None,
+                          where: str) -> tuple[list[int], list[float], tuple[np.ndarray, np.ndarray] | None]:
+    """``output_tokens``, and the (int64 ids, float64 log-probs) arrays its whole-list checks built
+    (None where the item-by-item checks ran), which a trajectory stores without a conversion."""
     if isinstance(triples, LogprobArrays):
         checked = _checked_arrays(output_ids, triples, vocab_size)
         if checked is not None:
@@ -129,10 +140,11 @@ def output_tokens(output_ids: Any, triples: Any, vocab_size: int | None,
         checked = _checked_lists(output_ids, triples, vocab_size)
         if checked is not None:
             return checked
-    return output_tokens_reference(output_ids, triples, vocab_size, where)
+    return (*output_tokens_reference(output_ids, triples, vocab_size, where), None)
 
 
-def _checked_lists(output_ids: Any, triples: Any, vocab_size: int | None) -> tuple[list[int], list[float]] | None:
+def _checked_lists(output_ids: Any, triples: Any,
+                   vocab_size: int | None) -> tuple[list[int], list[float], tuple | None] | None:
     """``output_tokens`` for lists of triples, as JSON decodes them, in whole-list operations;
     None unless every check passes (types are counted exactly, so a bool, a float id or an int
     log-prob is left to the reference checks)."""
@@ -153,21 +165,22 @@ def _checked_lists(output_ids: Any, triples: Any, vocab_size: int | None) -> tup
     elif (not isinstance(output_ids, list) or list(map(type, output_ids)).count(int) != n
           or output_ids != triple_ids):
         return None
-    if n:
-        as_float64 = np.frombuffer(array("d", logprobs), dtype=np.float64)
-        if not (np.isfinite(as_float64).all() and as_float64.max() <= LOGPROB_TOLERANCE):
-            return None
-        try:
-            as_int64 = np.frombuffer(array("q", output_ids), dtype=np.int64)
-        except OverflowError:
-            return None
-        if not _ids_in_vocab(as_int64, vocab_size):
-            return None
-    return list(output_ids), logprobs
+    if not n:
+        return [], logprobs, None
+    as_float64 = np.frombuffer(array("d", logprobs), dtype=np.float64)
+    if not (np.isfinite(as_float64).all() and as_float64.max() <= LOGPROB_TOLERANCE):
+        return None
+    try:
+        as_int64 = np.frombuffer(array("q", output_ids), dtype=np.int64)
+    except OverflowError:
+        return None
+    if not _ids_in_vocab(as_int64, vocab_size):
+        return None
+    return list(output_ids), logprobs, (as_int64, as_float64)
 
 
 def _checked_arrays(output_ids: Any, arrays: LogprobArrays,
-                    vocab_size: int | None) -> tuple[list[int], list[float]] | None:
+                    vocab_size: int | None) -> tuple[list[int], list[float], tuple | None] | None:
     """``output_tokens`` for ``LogprobArrays`` (and ``output_ids`` as an int64 array or None);
     None unless every check passes."""
     logprobs, ids = arrays.logprobs, arrays.token_ids
@@ -180,7 +193,7 @@ def _checked_arrays(output_ids: Any, arrays: LogprobArrays,
     if len(ids) and not (np.isfinite(logprobs).all() and logprobs.max() <= LOGPROB_TOLERANCE
                          and _ids_in_vocab(ids, vocab_size)):
         return None
-    return ids.tolist(), logprobs.tolist()
+    return ids.tolist(), logprobs.tolist(), (ids, logprobs)
 
 
 def _ids_in_vocab(ids: np.ndarray, vocab_size: int | None) -> bool:
@@ -264,7 +277,7 @@ def parse_generate_reply(
             f"{where}: meta_info.output_token_logprobs missing or not a list (was the request sent "
             "with return_logprob=true?)"
         )
-    output_ids, logprobs = output_tokens(reply.get("output_ids"), triples, vocab_size, where)
+    output_ids, logprobs, token_arrays = checked_output_tokens(reply.get("output_ids"), triples, vocab_size, where)
 
     completion = meta.get("completion_tokens")
     if completion is None and finish_type == "abort" and not output_ids:
@@ -293,6 +306,7 @@ def parse_generate_reply(
     return GenerateResult(
         output_ids=output_ids,
         logprobs=logprobs,
+        token_arrays=token_arrays,
         finish_reason=finish_type,
         weight_version=weight_version,
         prompt_tokens=prompt_tokens,

@@ -118,9 +118,9 @@ class TrajectoryWork:
         if finish == "abort" and not result.output_ids and not draining:
             return EngineReplyError(f"{result.engine_url}: request of {t.uid} aborted by the engine "
                                     "without any token")
+        ids, logprobs = result.token_arrays or (result.output_ids, result.logprobs)
         try:
-            t.append(result.output_ids, result.logprobs, int(result.weight_version), result.version_runs,
-                     result.replay)
+            t.append(ids, logprobs, int(result.weight_version), result.version_runs, result.replay)
         except (ValueError, TypeError) as e:
             return EngineReplyError(f"{result.engine_url}: {e}")
         tokens = len(result.output_ids)
