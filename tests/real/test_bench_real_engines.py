@@ -31,14 +31,21 @@ def test_bench_real_quick_runs_every_arm_on_the_real_engines(real_stack, tmp_pat
     engines = {u.rstrip("/") for u in real_stack.engine_urls}
     for arm in arms:
         assert len(steps[arm]) == 3
+        assert steps[arm][0]["breakdown"]["calls"] > 0, f"{arm}: the first step made no call"
         for record in steps[arm]:
             b = record["breakdown"]
             assert math.isclose(b["target_s"] + b["drain_s"], b["step_s"], rel_tol=1e-9)
-            assert b["step_s"] > 0 and b["calls"] > 0 and b["in_flight"] > 0
+            assert b["step_s"] > 0 and record["returned_tokens"] > 0
+            assert 0 <= b["engine_idle_s"] <= len(engines) * b["target_s"] + 1e-9
+            if b["calls"] == 0:
+                # a step the buffer filled alone: the groups the last drain completed were enough
+                # (copris keeps N' in flight, so its surplus can be a whole batch); only a policy
+                # that buffers may do that
+                assert arm != "sync" and b["in_flight"] == 0, (arm, b)
+                continue
+            assert b["in_flight"] > 0
             assert b["transit_ms"] is not None  # SGLang reports e2e_latency on every reply
             assert b["client_cpu_s"] > 0
-            assert 0 <= b["engine_idle_s"] <= len(engines) * b["target_s"] + 1e-9
-            assert record["returned_tokens"] > 0
     assert entry["real"]["sync"]["speedup"]["ratio"] == 1.0
     assert "SMOKE TEST" in capsys.readouterr().out
 
