@@ -75,6 +75,7 @@ from april_workbench.emulator.vclock import run_virtual
 from tests.support import agent_functions as af
 from tests.support import slime_standin
 from tests.support.agent_functions import check_sample, expand
+from tests.support.engine_kill import GroupLedger
 from tests.support.slime_jobs import Cluster, loop_run, make_args, point_at
 
 SOAK_STEPS = int(os.environ.get("APRIL_SOAK_STEPS", "1000"))
@@ -195,26 +196,16 @@ class FaultyTransport:
 
 
 # ====================================================================== the ledger
-class Ledger:
+class Ledger(GroupLedger):
     """Where every group handed out is, kept from what the test sees (never from the scheduler's
-    own books, except the reason of a drop, which it must report)."""
+    own books, except the reason of a drop, which it must report); with the state at each save."""
 
     def __init__(self):
-        self.handed_out: set[str] = set()
-        self.delivered: list[str] = []
-        self.dropped: dict[str, str] = {}
+        super().__init__()
         self.checkpoints: dict[int, tuple] = {}
 
     def check(self, buffer, where: str) -> None:
-        buffered = {g.uid for g in buffer.groups()}
-        delivered = set(self.delivered)
-        assert len(delivered) == len(self.delivered), f"{where}: a group was delivered twice"
-        assert not delivered & buffered, f"{where}: a delivered group is still buffered"
-        assert not set(self.dropped) & (delivered | buffered), f"{where}: a dropped group came back"
-        missing = self.handed_out - delivered - buffered - set(self.dropped)
-        assert not missing, f"{where}: groups lost: {sorted(missing)[:10]}"
-        extra = (delivered | buffered) - self.handed_out
-        assert not extra, f"{where}: groups from nowhere: {sorted(extra)[:10]}"
+        super().check({g.uid for g in buffer.groups()}, where)
 
     def save(self, k: int) -> None:
         self.checkpoints[k] = (set(self.handed_out), list(self.delivered), dict(self.dropped))

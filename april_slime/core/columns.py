@@ -51,6 +51,20 @@ def frozen_array(values: Any, dtype: np.dtype, what: str) -> np.ndarray:
     return out
 
 
+def _pieces_between(pieces: tuple, start: int, stop: int) -> list:
+    """The parts of ``pieces`` (anything sliceable) that cover positions ``[start, stop)`` of their
+    concatenation: whole pieces as they are, the ends sliced (views, for arrays and memoryviews)."""
+    out, pos = [], 0
+    for piece in pieces:
+        lo, hi = max(start - pos, 0), min(stop - pos, len(piece))
+        if lo < hi:
+            out.append(piece if (lo, hi) == (0, len(piece)) else piece[lo:hi])
+        pos += len(piece)
+        if pos >= stop:
+            break
+    return out
+
+
 class Column(Sequence):
     """An immutable sequence of numbers of one dtype, held as read-only numpy chunks."""
 
@@ -93,15 +107,7 @@ class Column(Sequence):
         raise IndexError("column index out of range")  # pragma: no cover (lengths add up)
 
     def _between(self, start: int, stop: int) -> Column:
-        out, pos = [], 0
-        for chunk in self._chunks:
-            lo, hi = max(start - pos, 0), min(stop - pos, len(chunk))
-            if lo < hi:
-                out.append(chunk if (lo, hi) == (0, len(chunk)) else chunk[lo:hi])
-            pos += len(chunk)
-            if pos >= stop:
-                break
-        return Column(tuple(out), self.dtype)
+        return Column(tuple(_pieces_between(self._chunks, start, stop)), self.dtype)
 
     # ------------------------------------------------------------------ reading
     def __len__(self) -> int:
@@ -211,14 +217,7 @@ class ByteChunks:
         start, stop, step = index.indices(self._len)
         if step != 1:
             return bytes(self)[index]
-        out, pos = [], 0
-        for piece in self._pieces:
-            lo, hi = max(start - pos, 0), min(stop - pos, len(piece))
-            if lo < hi:
-                out.append(piece if (lo, hi) == (0, len(piece)) else piece[lo:hi])
-            pos += len(piece)
-            if pos >= stop:
-                break
+        out = _pieces_between(self._pieces, start, stop)
         return out[0] if len(out) == 1 and isinstance(out[0], bytes) else b"".join(out)
 
     def __iadd__(self, data: bytes | bytearray | memoryview | ByteChunks) -> ByteChunks:
