@@ -8,7 +8,7 @@ Use in a slime job::
 
 ``generate_rollout`` runs one training step through the scheduler (``april_slime.core.scheduler``)
 on a runtime built once per data source (``_Runtime``: the engine client, the scheduler, slime's
-reward and filter hooks), on slime's event loop or this module's own. The data source
+reward and filter hooks), on slime's event loop or the plugin's own (``april_slime.event_loop``). The data source
 (``AprilDataSource``, re-exported here) is ``april_slime.data_source``; the slime ``Sample`` codec
 is ``april_slime.samples``. Everything slime-specific is imported lazily, so the module imports
 without slime and fails with a clear ``ImportError`` only on a path that needs it.
@@ -40,9 +40,10 @@ from april_slime.core.front import EpisodeFront
 from april_slime.core.keys import METRIC_PREFIX
 from april_slime.core.types import Group, TrajectoryStatus
 from april_slime.data_source import AprilDataSource, load_config
+from april_slime.event_loop import run_on_loop
 from april_slime.generate_functions import GenerateFunctions
 from april_slime.masking import is_masked, masked_reward
-from april_slime.samples import leaves, one_shape, slime_attr
+from april_slime.samples import leaves, one_shape
 
 if TYPE_CHECKING:
     from april_slime.core.engine import EngineClient
@@ -55,41 +56,6 @@ __all__ = [
     "load_config",
     "shutdown",
 ]
-
-
-# ====================================================================== the event loop
-def _run_on_loop(coro):
-    """Run on slime's persistent event loop when slime is there (its own rollout code and HTTP
-    clients live on that loop), else on this module's own persistent loop. A persistent loop is
-    needed either way: the engine client's HTTP session is bound to the loop that created it."""
-    try:
-        run = slime_attr("slime.utils.async_utils", "run")
-    except ImportError:
-        run = _own_loop().run
-    return run(coro)
-
-
-class _OwnLoop:
-    """This module's own persistent event loop, on a daemon thread (for processes without slime)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="april-rollout-loop", daemon=True).start()
-
-    def run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-
-_OWN_LOOP: _OwnLoop | None = None
-_OWN_LOOP_LOCK = threading.Lock()
-
-
-def _own_loop() -> _OwnLoop:
-    global _OWN_LOOP
-    with _OWN_LOOP_LOCK:
-        if _OWN_LOOP is None:
-            _OWN_LOOP = _OwnLoop()
-        return _OWN_LOOP
 
 
 # ====================================================================== the per-job runtime
@@ -292,7 +258,7 @@ def _runtime(args: Any, data_source: Any) -> _Runtime:
         if _RUNTIME is not None and _RUNTIME.data_source is data_source:
             return _RUNTIME
         if _RUNTIME is not None:
-            _run_on_loop(_RUNTIME.close())
+            run_on_loop(_RUNTIME.close())
         _RUNTIME = _Runtime(data_source)
         return _RUNTIME
 
@@ -309,7 +275,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
         slime_rollout = importlib.import_module("slime.rollout.sglang_rollout")
         return slime_rollout.generate_rollout(args, rollout_id, data_source, evaluation=True)
     runtime = _runtime(args, data_source)
-    samples, metrics = _run_on_loop(runtime.train_step(rollout_id))  # snapshots the data source
+    samples, metrics = run_on_loop(runtime.train_step(rollout_id))  # snapshots the data source
     output_cls = runtime.slime.RolloutFnTrainOutput
     # slime builds older than RolloutFnTrainOutput take the bare sample groups
     return output_cls(samples=samples, metrics=metrics) if output_cls is not None else samples
@@ -320,5 +286,5 @@ def shutdown() -> None:
     global _RUNTIME
     with _RUNTIME_LOCK:
         if _RUNTIME is not None:
-            _run_on_loop(_RUNTIME.close())
+            run_on_loop(_RUNTIME.close())
             _RUNTIME = None
