@@ -19,6 +19,11 @@ from typing import Any
 
 from april_slime.core.dispatch import DeploymentHints
 
+# arguments of slime 0.4.0 that the pinned slime does not define (april_slime.slime_compat): absent, they
+# take their default here
+LATER_SLIME_ARGUMENTS = frozenset({"buffer_sort_by_staleness", "flush_cache_interval", "use_score_centering",
+                                   "score_centering_top_k"})
+
 
 @dataclass(frozen=True)
 class SlimeArgs:
