@@ -29,7 +29,7 @@ from typing import Any
 from april_slime import job_checks, slime_args
 from april_slime.core.config import AprilConfig
 from april_slime.core.replay import ReplaySpec
-from april_slime.settings import JobSettings, custom_config_keys, looks_prefixed
+from april_slime.settings import JobSettings, custom_config_keys, looks_prefixed, setting_keys
 from april_slime.slime_args import SlimeArgs
 from april_slime.training.settings import LossSettings
 
@@ -88,7 +88,7 @@ def for_job(args: Any) -> JobSettings:
 
 def read_settings(args: Any) -> JobSettings:
     """The plugin's settings in ``args``, each valid on its own (``describe`` adds the job's checks)."""
-    attributes = slime_args.prefixed_attributes(args, looks_prefixed)
+    attributes = slime_args.prefixed_attributes(args, looks_prefixed, setting_keys())
     return JobSettings.from_attributes(attributes, custom_config_keys(SlimeArgs.read(args).custom_config_path))
 
 

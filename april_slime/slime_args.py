@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -182,14 +182,16 @@ class SlimeArgs:
         return {k: v for k, v in params.items() if v is not None}
 
 
-def prefixed_attributes(args: Any, looks_prefixed: Callable[[str], bool]) -> dict[str, Any]:
-    """Every attribute of ``args`` whose name ``looks_prefixed`` (the plugin's settings, and what
-    looks meant to be one), by name."""
+def prefixed_attributes(args: Any, looks_prefixed: Callable[[str], bool], settings: Iterable[str]) -> dict[str, Any]:
+    """Every attribute of ``args`` whose name ``looks_prefixed`` (what looks meant to be a setting),
+    and every one of ``settings`` that ``args`` has (also where an object serves it from its class),
+    by name."""
     try:
-        names = list(vars(args))
+        names = set(vars(args))
     except TypeError:  # an args object without __dict__
-        names = [k for k in dir(args) if not k.startswith("__")]
-    return {k: getattr(args, k) for k in names if looks_prefixed(k)}
+        names = {k for k in dir(args) if not k.startswith("__")}
+    names = {k for k in names if looks_prefixed(k)} | {k for k in settings if hasattr(args, k)}
+    return {k: getattr(args, k) for k in sorted(names)}
 
 
 def args_for_functions(args: Any, host: str, port: int) -> Any:
