@@ -11,8 +11,9 @@ from april_workbench.bench import ENGINE_PRESETS, Workload
 from april_workbench.bench.band import Variant, headline_variants, length_spec, run_band
 from april_workbench.bench.fit import FITS
 from april_workbench.bench.laws import MEDIAN_INTERVALS, statistics
+from april_workbench.bench.records import StepRecord
 from april_workbench.bench.reproduce import Row, Run, format_rows, published, reproduce, rows
-from april_workbench.bench.runner import StepRecord, detect_warmup
+from april_workbench.bench.steady import detect_warmup
 
 
 def steps(buffer, age):

@@ -16,9 +16,9 @@ from april_slime.core.engine import EngineClient
 from april_slime.core.scheduler import RolloutScheduler
 from april_slime.core.sglang_protocol import EngineError, RequestRejected
 from april_slime.core.transport import TransportHTTPError
-from april_slime.core.types import Group, Trajectory
 from april_workbench.emulator.testing import start_cluster
 from april_workbench.emulator.vclock import run_virtual
+from tests.support.numbered_prompts import NumberedPrompts
 
 ROUTER = "http://router:1"
 E1, E2 = "http://e1:2", "http://e2:3"
@@ -169,23 +169,6 @@ async def test_router_mode_retry_after_timeout_aborts_the_rid_on_every_engine():
 
 
 # ------------------------------------------------------------------ a job in router mode, on the emulator
-class Prompts:
-    def __init__(self, n):
-        self.n, self.made = n, []
-
-    def next_groups(self, k, current_version):
-        out = []
-        for _ in range(k):
-            i = len(self.made)
-            prompt = [10 + i, 20 + 3 * i, 30 + 7 * i, 40 + 11 * i, 5, 6]
-            uid = f"p{i}"
-            out.append(Group(uid=uid, prompt_ids=prompt, created_version=current_version, trajectories=[
-                Trajectory(uid=f"{uid}/{j}", group_uid=uid, index_in_group=j, prompt_ids=list(prompt),
-                           max_new_tokens=96, sampling_seed=1000 + j) for j in range(self.n)]))
-            self.made.append(uid)
-        return out
-
-
 class RecordingLocal:
     def __init__(self, inner):
         self.inner, self.calls = inner, []
@@ -207,7 +190,8 @@ def test_router_dispatch_job_loses_nothing_and_aborts_only_engines(policy):
             buffer = PartialBuffer.from_config(config)
             sched = RolloutScheduler(config, client, buffer, rollout_batch_size=4, n_samples_per_prompt=2,
                                      sampling_params={"temperature": 1.0})
-            prompts, returned, resumed = Prompts(2), [], 0
+            prompts = NumberedPrompts("p", 2, 96, first_seed=1000, tail=(5, 6), stamp_version=True)
+            returned, resumed = [], 0
             model = running.cluster.model
             for step in range(3):
                 result = await sched.run_step(prompts, current_version=step)

@@ -19,7 +19,6 @@ from april_slime.core.config import AprilConfig
 from april_slime.core.engine import EngineClient
 from april_slime.core.scheduler import RolloutScheduler
 from april_slime.core.step_metrics import LostCall, StepCounters, engine_fault_losses
-from april_slime.core.types import Group, Trajectory
 from april_workbench.emulator.model import LengthModel
 from april_workbench.emulator.testing import start_cluster
 from april_workbench.emulator.vclock import run_virtual
@@ -30,6 +29,7 @@ from tests.support.engine_kill import (
     buffered_prefixes,
     check_prefixes_kept,
 )
+from tests.support.numbered_prompts import NumberedPrompts
 
 BATCH, N, MAX_LEN = 4, 2, 256
 LENGTH = LengthModel(median_tokens=80.0, prompt_sigma=0.3, truncation_fraction=0.2)
@@ -83,23 +83,6 @@ class KillableEngines:
         pass
 
 
-class Prompts:
-    def __init__(self, ledger: GroupLedger):
-        self.ledger = ledger
-        self.made = 0
-
-    def next_groups(self, n, current_version):
-        out = []
-        for _ in range(n):
-            i, self.made = self.made, self.made + 1
-            prompt = [10 + i, 20 + 3 * i, 30 + 7 * i, 40 + 11 * i]
-            out.append(Group(uid=f"k{i}", prompt_ids=prompt, trajectories=[
-                Trajectory(uid=f"k{i}/{j}", group_uid=f"k{i}", index_in_group=j, prompt_ids=list(prompt),
-                           max_new_tokens=MAX_LEN, sampling_seed=j) for j in range(N)]))
-            self.ledger.handed_out.add(f"k{i}")
-        return out
-
-
 def run_kill_scenario(policy: str) -> dict:
     """Healthy steps, a kill mid-generation, a step with the engine dead, its restart, then a kill
     at the abort; returns what each kill cost and what the test saw."""
@@ -117,7 +100,7 @@ def run_kill_scenario(policy: str) -> dict:
             sched = RolloutScheduler(AprilConfig.from_dict(settings), client, buffer, rollout_batch_size=BATCH,
                                      n_samples_per_prompt=N, sampling_params={"temperature": 1.0},
                                      eos_token_id=running.cluster.model.eos_token_id, probe_interval_s=0.5)
-            prompts = Prompts(ledger)
+            prompts = NumberedPrompts("k", N, MAX_LEN, handed_out=ledger.handed_out)
             loop = asyncio.get_running_loop()
             out: dict = {"kills": []}
 

@@ -15,7 +15,7 @@ from april_slime import rollout
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
 from tests.support import agent_functions as af
 from tests.support.agent_functions import check_sample, expand
-from tests.support.slime_jobs import make_args, point_at
+from tests.support.slime_jobs import make_args, point_at, run_steps
 
 FUNCTION = "tests.support.agent_functions.multi_turn"
 
@@ -35,21 +35,10 @@ def job(tmp_path, prompts, cluster, **settings):
 @pytest.mark.parametrize("policy", ["sync", "april", "copris"])
 def test_a_custom_generate_function_runs_unchanged_under_every_policy(cluster, tmp_path, prompts, policy):
     args, source = job(tmp_path, prompts, cluster, april_policy=policy, april_concurrency=6)
-    trained, calls = [], 0
-    for step in range(3):
-        cluster.bump(step + 1)
-        out = rollout.generate_rollout(args, step, source)
-        assert len(out.samples) == args.rollout_batch_size
-        for group in out.samples:
-            assert len(group) == args.n_samples_per_prompt
-            for s in group:
-                check_sample(s, version_floor=1)
-            trained.append(group[0].group_index)
-        calls += out.metrics["april/episodes/calls"]
-    assert len(trained) == len(set(trained)), "a group was trained twice"
+    _, totals = run_steps(args, source, cluster, range(3), check=lambda s: check_sample(s, version_floor=1))
     # the function asserts itself that it never saw an abort; every call it counted was answered (a
     # reply answered at a step's end may still be on its way to the function)
-    assert calls >= sum(af.CALLS.values()) > 0
+    assert totals["april/episodes/calls"] >= sum(af.CALLS.values()) > 0
 
 
 def test_calls_cut_at_the_target_are_resumed_next_step_inside_the_same_call(cluster, tmp_path, prompts):
@@ -86,27 +75,11 @@ def test_a_failing_function_reruns_its_sample_alone(cluster, tmp_path, prompts):
     check_sample(samples[0], version_floor=1)
 
 
-def run_steps(args, source, cluster, steps, first=0):
-    """``steps`` rollout steps; the trained samples by index, and every metric summed."""
-    samples, totals = {}, {}
-    for step in range(first, first + steps):
-        cluster.bump(step + 1)
-        out = rollout.generate_rollout(args, step, source)
-        assert len(out.samples) == args.rollout_batch_size
-        for group in out.samples:
-            for s in group:
-                assert s.index not in samples, f"sample {s.index} trained twice"
-                samples[s.index] = s
-        for k, v in out.metrics.items():
-            totals[k] = totals.get(k, 0) + v
-    return samples, totals
-
-
 def test_a_function_whose_tokens_do_not_match_its_calls_is_given_up_with_its_group(cluster, tmp_path, prompts):
     args, source = job(tmp_path, prompts, cluster, april_policy="copris", april_concurrency=6,
                        april_max_episode_failures=1)
     af.CONTROL["corrupt"][0] = 2  # sample 0 alters a token of its calls, twice
-    samples, totals = run_steps(args, source, cluster, 4)
+    samples, totals = run_steps(args, source, cluster, range(4))
     assert totals["april/episodes/failures"] == 2
     assert totals["april/episodes/given_up"] == 1
     assert totals["april/episodes/failed_groups"] == 1
@@ -120,13 +93,13 @@ def test_a_hung_tool_is_ended_by_the_tool_deadline_and_rerun(cluster, tmp_path, 
     args, source = job(tmp_path, prompts, cluster, april_policy="copris", april_concurrency=6,
                        april_episode_tool_timeout_s=0.5)
     af.CONTROL["hang"][1] = 1
-    samples, totals = run_steps(args, source, cluster, 1)
+    samples, totals = run_steps(args, source, cluster, range(1))
     runner = rollout._RUNTIME.episodes
     deadline = time.monotonic() + 60
     while runner.counters.timeouts == 0:
         assert time.monotonic() < deadline, "the tool deadline never fired"
         time.sleep(0.05)
-    more, more_totals = run_steps(args, source, cluster, 3, first=1)
+    more, more_totals = run_steps(args, source, cluster, range(1, 4))
     # the hung tool's timeout, counted once; on a starved machine another episode's tool phase (the
     # loop's own delays included) can pass the short deadline too, and is re-run the same way
     assert totals.get("april/episodes/timeouts", 0) + more_totals["april/episodes/timeouts"] >= 1
@@ -143,8 +116,8 @@ def test_a_stale_suspended_episode_is_restarted_from_its_prompt(cluster, tmp_pat
     (counted), and nothing trained lags more than 1 version."""
     args, source = job(tmp_path, prompts, cluster, april_policy="copris", april_concurrency=12,
                        april_max_staleness=1)
-    samples, totals = run_steps(args, source, cluster, 1)
-    more, later = run_steps(args, source, cluster, 3, first=2)
+    samples, totals = run_steps(args, source, cluster, range(1))
+    more, later = run_steps(args, source, cluster, range(2, 5))
     samples.update(more)
     assert later["april/episodes/restarted"] > 0 and later["april/stale_fallback_groups"] > 0
     for s in samples.values():
@@ -228,7 +201,7 @@ def test_given_up_episodes_with_successes_between_them_do_not_stop_the_job(clust
     af.CONTROL["raise"][0] = 1
     # group 13 opens only once at least nine groups were settled, so after episodes finished
     af.CONTROL["raise"][40] = 1
-    samples, totals = run_steps(args, source, cluster, 5)
+    samples, totals = run_steps(args, source, cluster, range(5))
     assert totals["april/episodes/given_up"] == 2
     assert "april/episodes/given_up_in_a_row" in totals
     assert rollout._RUNTIME.episodes.given_up_in_a_row < 2
@@ -256,7 +229,7 @@ def test_string_statuses_are_trained_as_slime_trains_them(cluster, tmp_path, pro
     slime trains as it is: so does the plugin ("truncated" as a truncation)."""
     args, source = job(tmp_path, prompts, cluster, april_policy="copris", april_concurrency=6,
                        custom_generate_function_path="tests.support.agent_functions.string_status")
-    samples, totals = run_steps(args, source, cluster, 2)
+    samples, totals = run_steps(args, source, cluster, range(2))
     assert totals["april/episodes/failures"] == 0
     assert len(samples) == 2 * args.rollout_batch_size * args.n_samples_per_prompt
     for s in samples.values():

@@ -26,7 +26,7 @@ from april_slime.core.keys import TOKEN_VERSIONS_KEY
 from april_slime.core.types import TrajectoryStatus
 from tests.support import agent_functions as af
 from tests.support.agent_functions import check_sample, expand
-from tests.support.slime_jobs import make_args, point_at
+from tests.support.slime_jobs import make_args, point_at, run_steps
 from tests.support.state_files import read_plain_state, write_json_state
 
 FUNCTION = "tests.support.agent_functions.multi_turn"
@@ -42,29 +42,14 @@ def prompts(tmp_path):
     af.reset()
 
 
-def run_steps(args, source, cluster, rollout_ids, versions):
-    """One step per rollout id, the engines at the given weight version; the trained samples by
-    sample index (each must be new) and every metric summed."""
-    samples, totals = {}, {}
-    for rollout_id, version in zip(rollout_ids, versions):
-        cluster.bump(version)
-        out = rollout.generate_rollout(args, rollout_id, source)
-        assert len(out.samples) == args.rollout_batch_size
-        for group in out.samples:
-            assert len(group) == args.n_samples_per_prompt
-            for s in group:
-                assert s.index not in samples, f"sample {s.index} trained twice"
-                check_sample(s, version_floor=1)
-                samples[s.index] = s
-        for k, v in out.metrics.items():
-            totals[k] = totals.get(k, 0) + v
-    return samples, totals
+def checked(s) -> None:
+    check_sample(s, version_floor=1)
 
 
 def test_a_restart_in_the_middle_of_a_run_loses_and_repeats_nothing(cluster, tmp_path, prompts):
     args = point_at(make_args(tmp_path, prompts, **SETTINGS), cluster)
     source = rollout.AprilDataSource(args)
-    trained, _ = run_steps(args, source, cluster, [0, 1], versions=[1, 2])
+    trained, _ = run_steps(args, source, cluster, [0, 1], versions=[1, 2], check=checked)
     source.save(1)
     rollout.shutdown()  # the job dies here (after training step 1): its live episodes with it
 
@@ -101,7 +86,7 @@ def test_a_restart_in_the_middle_of_a_run_loses_and_repeats_nothing(cluster, tmp
     assert source2.restored_episodes == restored_uids and len(restored_uids) == len(unfinished)
 
     # the restarted trainer counts its weight updates from 1 again; the job's numbering goes on at 3
-    more, totals = run_steps(restarted, source2, cluster, [2, 3, 4], versions=[1, 2, 3])
+    more, totals = run_steps(restarted, source2, cluster, [2, 3, 4], versions=[1, 2, 3], check=checked)
     assert not set(trained) & set(more), "a sample was trained in both jobs"
     trained.update(more)
     first_new = 3

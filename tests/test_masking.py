@@ -27,7 +27,7 @@ from april_slime.vcpo import opob_advantages
 from tests.support import agent_functions as af
 from tests.support import slime_standin
 from tests.support.agent_functions import check_sample
-from tests.support.slime_jobs import N, make_args, point_at
+from tests.support.slime_jobs import N, make_args, point_at, run_steps
 
 FUNCTION = "tests.support.agent_functions.multi_turn"
 
@@ -39,19 +39,6 @@ def prompts(tmp_path):
     af.reset()
     yield path
     af.reset()
-
-
-def _step(args, source, cluster, step, samples, totals):
-    cluster.bump(step + 1)
-    out = rollout.generate_rollout(args, step, source)
-    assert len(out.samples) == args.rollout_batch_size
-    for group in out.samples:
-        assert len(group) == args.n_samples_per_prompt
-        for s in group:
-            assert s.index not in samples, f"sample {s.index} trained twice"
-            samples[s.index] = s
-    for k, v in out.metrics.items():
-        totals[k] = totals.get(k, 0) + v
 
 
 @pytest.mark.parametrize("fault", ["raise", "corrupt", "hang"])
@@ -67,7 +54,7 @@ def test_a_sample_given_up_for_an_infrastructure_fault_is_masked_and_its_group_t
     af.CONTROL[fault][0] = 1
     samples, totals = {}, {}
     for step in range(12):
-        _step(args, source, cluster, step, samples, totals)
+        run_steps(args, source, cluster, [step], samples=samples, totals=totals)
         if 0 in samples:
             break
         runner = rollout._RUNTIME.episodes
@@ -96,9 +83,7 @@ def test_without_the_setting_the_group_is_dropped(cluster, tmp_path, prompts):
                               april_concurrency=6, april_max_episode_failures=0), cluster)
     source = rollout.AprilDataSource(args)
     af.CONTROL["raise"][0] = 1
-    samples, totals = {}, {}
-    for step in range(3):
-        _step(args, source, cluster, step, samples, totals)
+    samples, totals = run_steps(args, source, cluster, range(3))
     assert not {0, 1, 2} & set(samples) and totals["april/episodes/failed_groups"] == 1
     assert totals["april/masked_samples"] == 0
 
@@ -110,9 +95,7 @@ def test_a_group_left_with_one_unmasked_sample_is_dropped(cluster, tmp_path, pro
                     cluster)
     source = rollout.AprilDataSource(args)
     af.CONTROL["raise"][0] = af.CONTROL["raise"][1] = 1
-    samples, totals = {}, {}
-    for step in range(3):
-        _step(args, source, cluster, step, samples, totals)
+    samples, totals = run_steps(args, source, cluster, range(3))
     assert not {0, 1, 2} & set(samples) and totals["april/episodes/failed_groups"] == 1
     assert totals["april/episodes/masked"] == 2
 

@@ -20,6 +20,7 @@ from april_slime.core.transport import HttpTransport
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_workbench.emulator.testing import start_cluster
 from april_workbench.emulator.vclock import run_virtual
+from tests.support.numbered_prompts import numbered_prompt
 
 PROMPT_LEN = 4
 
@@ -1161,7 +1162,7 @@ class EmuPrompts(Prompts):
         groups = super().next_groups(k, current_version)
         for g in groups:
             i = int(g.uid[1:])
-            g.prompt_ids = [10 + i, 20 + 3 * i, 30 + 7 * i, 40 + 11 * i, 5, 6]
+            g.prompt_ids = numbered_prompt(i, (5, 6))
             for t in g.trajectories:
                 t.prompt_ids = list(g.prompt_ids)
         return groups

@@ -59,6 +59,22 @@ DECODED_CHARS = set("0123456789 ")  # what the toy tokenizer decodes any token i
 STEPS, MAX_STEPS = 3, 12  # steps run; more (bounded) only if no call was aborted and resumed in the first ones
 
 
+def fresh_imports(monkeypatch, root: Path, modules):
+    """A fixture's body: yields ``add(folder, module)``, which puts ``root / folder`` on
+    ``sys.path`` and imports ``module`` fresh; ``modules`` are dropped from ``sys.modules`` before
+    and after."""
+
+    def add(folder: str, module: str):
+        monkeypatch.syspath_prepend(str(root / folder))
+        return importlib.import_module(module)
+
+    for name in modules:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield add
+    for name in modules:
+        sys.modules.pop(name, None)
+
+
 @pytest.fixture(scope="module")
 def examples(tmp_path_factory) -> Path:
     """slime's ``examples/`` folder (search-r1 and retool), extracted unedited from the tarball."""
@@ -71,15 +87,7 @@ def examples(tmp_path_factory) -> Path:
 def example_path(examples, monkeypatch):
     """Puts an example's folder on ``sys.path`` and imports its module fresh (its module-level
     configuration and semaphores are per test); the modules are dropped again afterwards."""
-    def add(folder: str, module: str):
-        monkeypatch.syspath_prepend(str(examples / folder))
-        return importlib.import_module(module)
-
-    for name in EXAMPLE_MODULES:
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    yield add
-    for name in EXAMPLE_MODULES:
-        sys.modules.pop(name, None)
+    yield from fresh_imports(monkeypatch, examples, EXAMPLE_MODULES)
 
 
 @pytest.fixture
@@ -352,20 +360,12 @@ def agent_examples(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def agent_example(agent_examples, monkeypatch):
-    """Puts ``examples/<folder>`` (or the folder holding ``examples/``) on ``sys.path`` and imports
-    ``module`` fresh; the modules are dropped again afterwards."""
+    """Puts ``<folder>`` of the agent examples (``.``: the folder holding ``examples/``) on
+    ``sys.path`` and imports ``module`` fresh; the modules are dropped again afterwards."""
     from slime.utils.misc import load_function
 
-    def add(path: Path, module: str):
-        monkeypatch.syspath_prepend(str(path))
-        return importlib.import_module(module)
-
-    for name in AGENT_MODULES:
-        monkeypatch.delitem(sys.modules, name, raising=False)
     load_function.cache_clear()  # slime caches by path the functions of modules imported before
-    yield add
-    for name in AGENT_MODULES:
-        sys.modules.pop(name, None)
+    yield from fresh_imports(monkeypatch, agent_examples, AGENT_MODULES)
     load_function.cache_clear()
 
 
@@ -382,8 +382,8 @@ def pause_between_rollouts(max_s: float = 60.0) -> None:
 
 
 @pytest.mark.parametrize("policy", ["sync", "april", "copris"])
-def test_multi_agent_returns_every_agents_sample(agent_cluster, slime_client, agent_example, agent_examples,
-                                                 monkeypatch, tmp_path, policy):
+def test_multi_agent_returns_every_agents_sample(agent_cluster, slime_client, agent_example, monkeypatch,
+                                                 tmp_path, policy):
     """slime's multi_agent: five solver agents call the model at once (``asyncio.gather``) in one
     episode; each agent's call is scheduled like a sequential one (aborted and resumed too: the
     episodes test, with a function of the same shape), also across the pause between rollouts, and
@@ -401,7 +401,7 @@ def test_multi_agent_returns_every_agents_sample(agent_cluster, slime_client, ag
         call_finished(self, t)
 
     monkeypatch.setattr(EpisodeRunner, "call_finished", recording)
-    module = agent_example(agent_examples, "examples.multi_agent.rollout_with_multi_agents")
+    module = agent_example(".", "examples.multi_agent.rollout_with_multi_agents")
     # it loads its tokenizer with transformers from hf_checkpoint: here the jobs' toy tokenizer
     monkeypatch.setattr(module, "AutoTokenizer", type("Toy", (), {"from_pretrained": staticmethod(
         lambda *a, **k: ToyTokenizer())}))
@@ -433,8 +433,8 @@ def test_multi_agent_returns_every_agents_sample(agent_cluster, slime_client, ag
 
 
 @pytest.mark.parametrize("policy", ["april", "copris"])
-def test_tau_bench_is_refused_at_its_first_sample(agent_cluster, slime_client, agent_example, agent_examples,
-                                                  monkeypatch, tmp_path, policy):
+def test_tau_bench_is_refused_at_its_first_sample(agent_cluster, slime_client, agent_example, monkeypatch,
+                                                  tmp_path, policy):
     """slime's tau-bench runs under the plugin (string statuses taken as slime takes them) and its
     first sample stops the job with one line saying why: it carries no rollout_log_probs, and its
     trainable tokens are its conversation re-tokenized, not the tokens the engine served, so no
@@ -448,7 +448,7 @@ def test_tau_bench_is_refused_at_its_first_sample(agent_cluster, slime_client, a
                         reason="tau-bench parses tool calls with SGLang's parser")
     tau_bench_standin.install(monkeypatch)
     monkeypatch.setattr(sglang_rollout, "load_tokenizer", lambda *a, **k: tau_bench_standin.ChatToyTokenizer())
-    agent_example(agent_examples / "examples" / "tau-bench", "generate_with_tau")
+    agent_example("examples/tau-bench", "generate_with_tau")
     prompts = tmp_path / "tasks.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": str(i), "label": ""}) + "\n" for i in range(64)))
     args = job_args(tmp_path, prompts, agent_cluster, policy,

@@ -67,15 +67,15 @@ from april_slime.core.ledger import DROP_EPISODE_FAILED
 from april_slime.core.scheduler import RolloutScheduler, RolloutStepError
 from april_slime.core.sglang_protocol import EngineError
 from april_slime.core.transport import HttpTransport, TransportHTTPError
-from april_slime.core.types import Group, Trajectory, TrajectoryStatus
+from april_slime.core.types import Group, TrajectoryStatus
 from april_slime.samples import sampling_seed
 from april_workbench.emulator.model import LengthModel, SyntheticLM
 from april_workbench.emulator.testing import start_cluster
 from april_workbench.emulator.vclock import run_virtual
 from tests.support import agent_functions as af
-from tests.support import slime_standin
 from tests.support.agent_functions import check_sample, expand
 from tests.support.engine_kill import GroupLedger
+from tests.support.numbered_prompts import NumberedPrompts
 from tests.support.slime_jobs import Cluster, loop_run, make_args, point_at
 
 SOAK_STEPS = int(os.environ.get("APRIL_SOAK_STEPS", "1000"))
@@ -413,11 +413,9 @@ def quiet():
 
 
 @pytest.fixture
-def slime(monkeypatch):
-    mode = slime_standin.install(monkeypatch)
-    if mode == "real":
-        slime_standin.patch_real_tokenizer(monkeypatch)
-    yield mode
+def slime(slime_mode):
+    """``slime_mode``, with the save-point hook the soak's kills arm taken off again."""
+    yield slime_mode
     checkpoint.SAVE_POINT_HOOK = None
 
 
@@ -475,27 +473,14 @@ def test_one_wedged_engine_bounds_every_step(quiet, policy):
             sched = RolloutScheduler(config, client, PartialBuffer(), rollout_batch_size=4,
                                      n_samples_per_prompt=N_SAMPLES, sampling_params={"temperature": 1.0})
 
-            class Prompts:
-                made = 0
-
-                def next_groups(self, n, v):
-                    out = []
-                    for _ in range(n):
-                        i, Prompts.made = Prompts.made, Prompts.made + 1
-                        prompt = [10 + i, 20 + 3 * i, 30 + 7 * i, 40 + 11 * i]
-                        out.append(Group(uid=f"w{i}", prompt_ids=prompt, trajectories=[
-                            Trajectory(uid=f"w{i}/{j}", group_uid=f"w{i}", index_in_group=j,
-                                       prompt_ids=list(prompt), max_new_tokens=MAX_LEN, sampling_seed=j)
-                            for j in range(N_SAMPLES)]))
-                    return out
-
+            prompts = NumberedPrompts("w", N_SAMPLES, MAX_LEN)
             loop = asyncio.get_running_loop()
             times = []
             for step in range(10):
                 if step == 5:
                     transport.wedged_until[running.engine_urls[1]] = float("inf")
                 start = loop.time()
-                res = await asyncio.wait_for(sched.run_step(Prompts(), step), 3 * 3600)
+                res = await asyncio.wait_for(sched.run_step(prompts, step), 3 * 3600)
                 assert len(res.groups) == 4
                 times.append(loop.time() - start)
             return times, sched
@@ -582,23 +567,6 @@ def test_http_engine_killed_mid_step_and_restarted(quiet, engine_processes):
     model = SyntheticLM(seed=EMU_SEED, length=LengthModel.parse("short"))
     victim, other = engine_processes
 
-    class Prompts:
-        def __init__(self):
-            self.made = 0
-
-        def next_groups(self, n, current_version):
-            out = []
-            for _ in range(n):
-                i = self.made
-                self.made += 1
-                prompt = [10 + i, 20 + 3 * i, 30 + 7 * i, 40 + 11 * i, 5, 6]
-                trajs = [Trajectory(uid=f"h{i}/{j}", group_uid=f"h{i}", index_in_group=j,
-                                    prompt_ids=list(prompt), max_new_tokens=64, sampling_seed=100 + j)
-                         for j in range(N_SAMPLES)]
-                out.append(Group(uid=f"h{i}", prompt_ids=prompt, trajectories=trajs))
-                ledger.handed_out.add(f"h{i}")
-            return out
-
     ledger = Ledger()
     back_within = 10  # steps a restarted engine may take to get requests again
 
@@ -611,7 +579,7 @@ def test_http_engine_killed_mid_step_and_restarted(quiet, engine_processes):
                                  rollout_batch_size=BATCH, n_samples_per_prompt=N_SAMPLES,
                                  sampling_params={"temperature": 1.0}, drain_timeout_s=30.0,
                                  probe_timeout_s=10.0, probe_interval_s=0.2)
-        prompts = Prompts()
+        prompts = NumberedPrompts("h", N_SAMPLES, 64, first_seed=100, tail=(5, 6), handed_out=ledger.handed_out)
         loop = asyncio.get_running_loop()
         victim_calls: list[int] = []  # generate calls the victim got, per step
         failed_steps: list[int] = []

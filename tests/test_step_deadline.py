@@ -131,42 +131,32 @@ def test_a_due_groups_hung_tool_is_masked_at_the_step_deadline():
     run_virtual(main())
 
 
-def test_without_masking_a_sample_out_of_reruns_drops_its_group_at_the_deadline():
-    async def main():
-        async with start_cluster(num_engines=2, seed=7, time_scale=1.0, http=False, length="short") as running:
-            sched, agent, runner, buffer, prompts, ledger = await _due_after_step_one(
-                running, mask=False, max_episode_failures=0)
-            second = await _step(sched, prompts, ledger, running, 1)
-            _step_two_timing(second, sched)
-            m = second.metrics
-            assert m["april/deadline_failed_samples"] == 1
-            assert m["april/episodes/given_up"] == 1 and m["april/episodes/failed_groups"] == 1
-            assert second.dropped == {"p0": "episode_failed"}
-            assert "p0" not in {g.uid for g in second.groups} and "p0" not in buffer
-            await runner.close()
-
-    run_virtual(main())
-
-
-def test_without_masking_a_sample_with_reruns_left_is_rerun_and_its_group_released():
-    """The re-run cannot be trained in its step: p0 goes back to the buffer past its bound, and
-    the next step's staleness fallback (restart) takes it, counted."""
+@pytest.mark.parametrize("reruns", [0, 1], ids=["out-of-reruns", "a-rerun-left"])
+def test_without_masking_a_hung_sample_is_given_up_or_rerun_at_the_deadline(reruns):
+    """Out of re-runs, the sample is given up and its group dropped. With a re-run left, the
+    sample is re-run from its prompt; the re-run cannot be trained in its step: p0 goes back to the
+    buffer past its bound, and the next step's staleness fallback (restart) takes it, counted."""
 
     async def main():
         async with start_cluster(num_engines=2, seed=7, time_scale=1.0, http=False, length="short") as running:
             sched, agent, runner, buffer, prompts, ledger = await _due_after_step_one(
-                running, mask=False, max_episode_failures=1)
+                running, mask=False, max_episode_failures=reruns)
             second = await _step(sched, prompts, ledger, running, 1)
             _step_two_timing(second, sched)
             m = second.metrics
-            assert m["april/deadline_failed_samples"] == 1 and m["april/deadline_released_groups"] == 1
-            assert m["april/episodes/given_up"] == 0 and m["april/episodes/masked"] == 0
-            rerun = runner.episodes[HUNG]  # re-run from its prompt, its first call suspended at the target
-            assert rerun.attempt == 1 and runner.is_live(rerun.member), "the failed sample was not re-run"
-            assert "p0" in buffer and not second.dropped
-            third = await _step(sched, prompts, ledger, running, 2)
-            assert third.metrics["april/stale_restarted_groups"] == 1  # p0, past its bound
-            assert third.metrics["april/deadline_failed_samples"] == 0
+            assert m["april/deadline_failed_samples"] == 1 and m["april/episodes/masked"] == 0
+            assert m["april/deadline_released_groups"] == reruns
+            assert m["april/episodes/given_up"] == m["april/episodes/failed_groups"] == 1 - reruns
+            if reruns == 0:
+                assert second.dropped == {"p0": "episode_failed"}
+                assert "p0" not in {g.uid for g in second.groups} and "p0" not in buffer
+            else:
+                rerun = runner.episodes[HUNG]  # re-run from its prompt, its first call suspended at the target
+                assert rerun.attempt == 1 and runner.is_live(rerun.member), "the failed sample was not re-run"
+                assert "p0" in buffer and not second.dropped
+                third = await _step(sched, prompts, ledger, running, 2)
+                assert third.metrics["april/stale_restarted_groups"] == 1  # p0, past its bound
+                assert third.metrics["april/deadline_failed_samples"] == 0
             await runner.close()
 
     run_virtual(main())

@@ -27,6 +27,7 @@ The drain after the target has its own deadline (``drain_timeout_s``).
 from __future__ import annotations
 
 import logging
+from dataclasses import KW_ONLY, dataclass, field
 
 from april_slime.core.calls import EngineCalls
 from april_slime.core.faults import CallFaults
@@ -48,19 +49,23 @@ def sooner(a: float | None, b: float | None) -> float | None:
     return a if b is None else min(a, b)
 
 
+@dataclass(eq=False)
 class StepDeadline:
     """One step's deadline for its due groups; fires at most once."""
 
-    def __init__(self, step: StepContext, *, groups: StepGroups, calls: EngineCalls, faults: CallFaults,
-                 seconds: float):
-        self.step = step
-        self.groups = groups
-        self.calls = calls
-        self.faults = faults
-        self.seconds = seconds
+    step: StepContext
+    _: KW_ONLY
+    groups: StepGroups
+    calls: EngineCalls
+    faults: CallFaults
+    seconds: float
+    at: float | None = field(init=False)  # loop time of the deadline (None: none this step)
+    fired: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
         # only a bound or protection makes a group due: otherwise there is nothing to wait for
-        self.at = step.loop.time() + seconds if seconds > 0 and step.pacing.active else None
-        self.fired = False
+        active = self.seconds > 0 and self.step.pacing.active
+        self.at = self.step.loop.time() + self.seconds if active else None
 
     def left(self) -> float | None:
         """Seconds until the deadline (None: none, or it has fired)."""

@@ -14,6 +14,7 @@ with the repository root as their working directory (``child_process_kwargs``).
   ``contract_worker``: slime's plugin-contract checks on a real-tier job;
 * ``gloo``: a function run on several gloo ranks (spawned processes), for the data- and
   tensor-parallel tests on CPU.
+* ``numbered_prompts``: a prompt source for a scheduler driven by hand, a distinct prompt per group.
 """
 
 from __future__ import annotations

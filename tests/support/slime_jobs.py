@@ -71,6 +71,29 @@ def rollout_until_partial(args, source, most: int = 4) -> int:
     raise AssertionError(f"no partial trajectory after {most} over-sampled rollouts; the test needs one")
 
 
+def run_steps(args, source, cluster, rollout_ids, versions=None, *, check=None, samples=None, totals=None):
+    """One ``generate_rollout`` per rollout id, the engines at the given weight version (by default
+    the rollout id + 1); each batch must hold ``rollout_batch_size`` groups of ``n_samples_per_prompt``
+    samples, none trained before. ``check(sample)``: run on every trained sample. Returns the trained
+    samples by index and every metric summed (``samples`` / ``totals``: added to, across calls)."""
+    samples = {} if samples is None else samples
+    totals = {} if totals is None else totals
+    for rollout_id, version in zip(rollout_ids, versions or [i + 1 for i in rollout_ids]):
+        cluster.bump(version)
+        out = rollout.generate_rollout(args, rollout_id, source)
+        assert len(out.samples) == args.rollout_batch_size
+        for group in out.samples:
+            assert len(group) == args.n_samples_per_prompt
+            for s in group:
+                assert s.index not in samples, f"sample {s.index} trained twice"
+                if check is not None:
+                    check(s)
+                samples[s.index] = s
+        for k, v in out.metrics.items():
+            totals[k] = totals.get(k, 0) + v
+    return samples, totals
+
+
 def loop_run(coro):
     """Run on the loop the rollout function uses (slime's persistent loop)."""
     return importlib.import_module("slime.utils.async_utils").run(coro)

@@ -26,19 +26,11 @@ through the core's ``EpisodeRunner`` with an in-process agent whose tools sleep 
 """
 
 from .cli import apply_overrides, build_parser, main
+from .records import PolicyRun, StepRecord
 from .report import format_table, headline, plot
-from .runner import (
-                        BenchResult,
-                        PolicyRun,
-                        RunPoint,
-                        StepRecord,
-                        mix_ideal_throughput,
-                        plan,
-                        run_benchmark,
-                        run_policy,
-                        summarize,
-)
+from .runner import BenchResult, RunPoint, plan, run_benchmark, run_policy
 from .spec import ENGINE_PRESETS, EngineSpec
+from .steady import mix_ideal_throughput, summarize
 from .workloads import (
                         MODES,
                         POLICIES,

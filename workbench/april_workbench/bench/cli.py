@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import Any
 
+from .records import PolicyRun, StepRecord
 from .report import format_band, format_table, headline, plot
-from .runner import PolicyRun, Progress, StepRecord, plan, run_benchmark
+from .runner import Progress, plan, run_benchmark
 from .spec import ENGINE_PRESETS, EngineSpec
 from .workloads import MODES, POLICIES, QUICK, QUICK_HTTP, WORKLOADS, Workload, parse_bounds
 

@@ -39,7 +39,7 @@ class Workload:
     steps: int = 6
     # The fewest steps left out of the summary (the first starts from an empty buffer). The
     # warm-up actually used is detected per run: until the buffer's age distribution is
-    # stationary (``runner.detect_warmup``) a partial-rollout policy has generated the cheap early
+    # stationary (``steady.detect_warmup``) a partial-rollout policy has generated the cheap early
     # tokens of long responses and parked the expensive late ones, and looks better than it is.
     warmup_steps: int = 1
     policies: tuple[str, ...] = ("sync", "april", "copris", "copris-adaptive")

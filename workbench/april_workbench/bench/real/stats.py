@@ -3,7 +3,7 @@
 * Warm-up: every arm's buffer starts empty; a partial-rollout arm's first steps generate the cheap
   early tokens of long samples and park the rest, so they look faster than the steady state. The
   rounds left out are the largest of ``minimum`` and, per arm, the truncation point of its buffer's
-  token count (MSER, as the emulator bench: ``runner.detect_warmup``).
+  token count (MSER, as the emulator bench: ``steady.detect_warmup``).
 * Speed-up of an arm against the baseline arm: the baseline's total step time over the arm's,
   over the counted rounds (a step can be served from buffered groups alone in no time, so single
   rounds make no ratio). Its band is a 95% bootstrap interval, the rounds resampled in pairs (the
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runner import detect_warmup
+from ..steady import detect_warmup
 from .rounds import StepRecord
 
 BOOTSTRAP_RESAMPLES = 4000
