@@ -42,7 +42,7 @@ _OWNERS = {
     "post_process_rewards": "april_slime.masking",
     "AprilConfig": "april_slime.core.config",
     "AprilConfigError": "april_slime.core.config",
-    "for_job": "april_slime.settings",
+    "for_job": "april_slime.job",
     "TOKEN_VERSIONS_KEY": "april_slime.core.keys",
     "POLICY_VERSION_KEY": "april_slime.core.keys",
     "read_samples": "april_slime.loss_batch",

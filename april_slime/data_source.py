@@ -12,31 +12,37 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from april_slime import job_checks, settings, slime_compat
+from april_slime import job_checks, slime_compat
 from april_slime.core import checkpoint
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.config import AprilConfig
 from april_slime.core.replay import TokenReplay
 from april_slime.core.types import Group
 from april_slime.generate_functions import load_generate_function
+from april_slime.job import SlimeJob, describe
 from april_slime.samples import SampleCodec, Slime, leaves
 
 logger = logging.getLogger(__name__)
 
 
-def load_config(args: Any) -> AprilConfig:
-    """The validated plugin settings of a slime job, cross-checked with slime's own arguments.
+def rollout_job(args: Any) -> SlimeJob:
+    """The job, read and checked for the plugin's rollout.
 
     Any problem raises ``AprilConfigError`` with one line naming the key, which stops the job at
     start (the data source is built when slime's rollout manager starts, before the trainer and the
     first rollout): every refusal that needs only the settings and slime's arguments runs here
     (``april_slime.job_checks``), the loss hooks' and VCPO's included.
     """
-    job_checks.check_rollout(args)
-    config = settings.for_job(args).rollout
-    for note in slime_compat.notes(args):
+    job = describe(args)
+    job_checks.check_rollout(job.slime)
+    for note in slime_compat.notes(job.slime):
         logger.warning("april_slime: %s", note)
-    return config
+    return job
+
+
+def load_config(args: Any) -> AprilConfig:
+    """The validated rollout settings of a slime job (``rollout_job(args).rollout``)."""
+    return rollout_job(args).rollout
 
 
 class AprilDataSource:
@@ -53,19 +59,22 @@ class AprilDataSource:
     """
 
     def __init__(self, args: Any) -> None:
-        self.args = args
-        self.config = load_config(args)
-        self._slime = Slime()
-        self._codec = SampleCodec(self._slime, args, self.config)
-        if getattr(args, "custom_generate_function_path", None):
-            load_generate_function(self._slime, args.custom_generate_function_path, "custom_generate_function_path")
-        self._prompts = self._slime.RolloutDataSource(args)
+        self.job = rollout_job(args)
+        self.config = self.job.rollout
+        self.slime = Slime()
+        self.codec = SampleCodec(self.slime, self.config, self.job.slime, self.job.replay)
+        self.generate_function_path = self.job.slime.custom_generate_function_path
+        if self.generate_function_path:
+            load_generate_function(self.slime, self.generate_function_path, "custom_generate_function_path")
+        self._prompts = self.slime.RolloutDataSource(args)
         self.buffer = PartialBuffer.from_config(self.config)
         # policy version of the latest training step (saved with the buffer)
         self.policy_version: int | None = None
         # version saved by the checkpoint this job was restored from; consumed by the first step
         self.restored_policy_version: int | None = None
-        self._checkpoints = checkpoint.Checkpoints(self._prompts, self.buffer, args, self.config.buffer_dir)
+        self._checkpoints = checkpoint.Checkpoints(
+            self._prompts, self.buffer, save_dir=self.job.slime.save, load_dir=self.job.slime.load,
+            buffer_dir=self.config.buffer_dir, rollout_shuffle=bool(self.job.slime.rollout_shuffle))
         # members of unfinished episodes that load() restored (see _restart_unfinished_episodes); the
         # job's episode runner shares this set, so it is only ever changed in place
         self.restored_episodes: set[str] = set()
@@ -74,7 +83,7 @@ class AprilDataSource:
     def next_groups(self, n: int, current_version: int) -> list[Group]:
         if n <= 0:
             return []
-        return [self._codec.new_group(samples, current_version) for samples in self._prompts.get_samples(n)]
+        return [self.codec.new_group(samples, current_version) for samples in self._prompts.get_samples(n)]
 
     # ------------------------------------------------------------ slime DataSource
     def get_samples(self, num_samples: int) -> list[list[Any]]:
@@ -82,7 +91,7 @@ class AprilDataSource:
         groups = self.buffer.take(num_samples, version)
         out = []
         for group in groups:
-            samples = self._codec.samples(group, None)
+            samples = self.codec.samples(group, None)
             for s in leaves(samples):
                 # another rollout function extends these responses, so versions recorded here would
                 # no longer cover them; ``weight_versions`` still says which policies generated them
@@ -98,7 +107,7 @@ class AprilDataSource:
         if not samples:
             return
         version = self.policy_version or 0
-        groups = [self._codec.group_from_samples(group, version) for group in samples]
+        groups = [self.codec.group_from_samples(group, version) for group in samples]
         for group in groups:
             self.buffer.put(group)
 
@@ -133,7 +142,7 @@ class AprilDataSource:
         partial responses), and named to the episode runner, which counts it as ``restarted`` when a
         step first opens it."""
         self.restored_episodes.clear()
-        if not getattr(self.args, "custom_generate_function_path", None):
+        if not self.generate_function_path:
             return
         for group in self.buffer.groups():
             for member in group.unfinished():
@@ -144,7 +153,7 @@ class AprilDataSource:
         """A checkpoint saved by a job that replayed less (or another model) holds responses whose
         routed experts or top-p kept ids are unknown: they restart from their prompts, as training
         could not replay them. Replay data this job does not use is dropped (it can be large)."""
-        spec = self._codec.replay
+        spec = self.codec.replay
         restarted = 0
         for group in self.buffer.groups():
             for t in group.trajectories:
@@ -155,7 +164,7 @@ class AprilDataSource:
                 elif t.response_ids and not _holds_replay(t, spec):
                     t.reset()
                     restarted += 1
-                    if getattr(self.args, "custom_generate_function_path", None):
+                    if self.generate_function_path:
                         self.restored_episodes.add(t.uid)
         if restarted:
             logger.warning("%d buffered samples hold no routed experts / top-p kept ids for what they "

@@ -28,10 +28,9 @@ returned sample's routed experts are stitched over the calls that ran its tokens
 
 from __future__ import annotations
 
-import argparse
 import copy
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from april_slime.core.config import AprilConfigError
 from april_slime.core.episodes import Episode, EpisodeError, EpisodeRefused, ModelCall
@@ -40,7 +39,10 @@ from april_slime.core.replay import TokenReplay
 from april_slime.core.served import match_calls, match_served, release_routed, served_routed, served_sampler
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.core.versions import VersionRuns
-from april_slime.samples import SampleCodec, Slime, plain, replay_spec
+from april_slime.samples import SampleCodec, Slime, plain
+
+if TYPE_CHECKING:
+    from april_slime.job import SlimeJob
 
 
 def load_generate_function(slime: Slime, path: str, key: str) -> Any:
@@ -62,16 +64,16 @@ def load_generate_function(slime: Slime, path: str, key: str) -> Any:
 class GenerateFunctions:
     """Runs a job's custom generate functions as episodes (``core.episodes.EpisodeAgent``)."""
 
-    def __init__(self, slime: Slime, args: Any, codec: SampleCodec, sampling_params: dict) -> None:
+    def __init__(self, slime: Slime, job: SlimeJob, codec: SampleCodec) -> None:
         self.slime = slime
-        self.args = args
+        self.job = job
         self.codec = codec
-        self.default_path = getattr(args, "custom_generate_function_path", None)
-        spec = replay_spec(args)
+        self.default_path = job.slime.custom_generate_function_path
+        spec = job.replay
         self.top_p_replay = spec.top_p  # calls' replies carry their top-p kept ids
         self.replay_spec = spec
         self.routed_width = spec.routed_width  # int32 per routed-experts row; 0: none replayed
-        self.sampling_params = {**sampling_params, "max_new_tokens": args.rollout_max_response_len}
+        self.sampling_params = {**job.sampling_params, "max_new_tokens": job.slime.rollout_max_response_len}
         self.function_args: Any = None  # set by point_at(front)
         self._functions: dict[str, Any] = {}
 
@@ -82,11 +84,7 @@ class GenerateFunctions:
 
     def point_at(self, host: str, port: int) -> None:
         """Functions get slime's arguments with the router address replaced by the front's."""
-        view = copy.copy(self.args) if not isinstance(self.args, argparse.Namespace) else argparse.Namespace(
-            **vars(self.args))
-        view.sglang_router_ip, view.sglang_router_port = host, port
-        view.partial_rollout = False
-        self.function_args = view
+        self.function_args = self.job.args_for_functions(host, port)
 
     # ------------------------------------------------------------------ tokens
     def tokenize(self, text: str) -> list[int]:

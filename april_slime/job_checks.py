@@ -1,12 +1,11 @@
 """Every refusal of a job that needs only its settings and slime's arguments, in one place.
 
-slime hands each of the plugin's hooks the same ``args``. ``check_job`` runs every
-check that needs nothing else, once per job, wherever the job first asks for its settings
-(``april_slime.settings.for_job``). In a job with the plugin's data source that is slime's rollout
-manager building it (``april_slime.data_source.load_config``), which slime does before it starts the
-trainer and before the first rollout: a setting the plugin cannot serve stops the job there, with
-one line naming the key. ``check_rollout`` adds what only the plugin's rollout reads of slime's
-arguments, run by the same data source.
+``check_job`` runs every check that needs nothing else, once per job, when the seam
+(``april_slime.job.describe``) first reads the job: in a job with the plugin's data source that is
+slime's rollout manager building it, which slime does before it starts the trainer and before the
+first rollout, so a setting the plugin cannot serve stops the job there, with one line naming the
+key. ``check_rollout`` adds what only the plugin's rollout needs of slime's arguments, run by the
+same data source.
 
 A refusal here is one the running job would otherwise meet for certain: a hook slime calls with
 these arguments, a log-prob slime does not compute under them. Where the outcome depends on a user's
@@ -23,10 +22,13 @@ The module imports neither torch nor slime: it runs in slime's rollout manager.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from april_slime.core.config import AprilConfig, AprilConfigError
+from april_slime.core.config import MASKING_POST_PROCESS, AprilConfig, AprilConfigError
 from april_slime.training.settings import LossSettings
+
+if TYPE_CHECKING:
+    from april_slime.slime_args import SlimeArgs
 
 # the import paths a job names for the plugin's hooks (april_slime.SLIME_FLAGS lists them all)
 CUSTOM_LOSS_PATH = "april_slime.loss.policy_loss"
@@ -35,47 +37,52 @@ VCPO_HOOK_PATH = "april_slime.vcpo.before_train_step"
 OPOB_ADVANTAGES_PATH = "april_slime.vcpo.opob_advantages"
 
 
-def check_job(args: Any, rollout: AprilConfig, loss: LossSettings) -> None:
+def check_job(slime: SlimeArgs, rollout: AprilConfig, loss: LossSettings) -> None:
     """The start-time refusals of every job that uses the plugin: its settings (the rollout's and the
     loss's, already valid each on its own) combined with slime arguments they cannot serve
     (``AprilConfigError``, one line naming the key)."""
-    rollout.check_against_slime(args)
-    check_custom_loss(args, loss)
-    check_tis_hook(args, loss)
-    check_vcpo_hooks(args, loss)
-    check_vcpo(args, loss)
+    check_rollout_shape(slime, rollout)
+    check_custom_loss(slime, loss)
+    check_tis_hook(slime, loss)
+    check_vcpo_hooks(slime, loss)
+    check_vcpo(slime, loss)
 
 
-def check_rollout(args: Any) -> None:
+def check_rollout(slime: SlimeArgs) -> None:
     """What the plugin's rollout needs of slime's own arguments (its data source runs this at start)."""
     from april_slime import slime_compat
-    from april_slime.samples import replay_spec
 
-    slime_compat.check_job(args)
-    if getattr(args, "rollout_max_response_len", None) is None:
+    slime_compat.check_job(slime)
+    if slime.rollout_max_response_len is None:
         raise AprilConfigError("rollout_max_response_len: must be set; it is the response budget that "
                                "partial rollouts are resumed against")
-    replay_spec(args)  # the replay settings (top-p, routing replay) raise naming the key
+
+
+# ------------------------------------------------------------------------------- the rollout
+GROUP_NORMALISED_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
+
+
+def check_rollout_shape(slime: SlimeArgs, c: AprilConfig) -> None:
+    """The rollout settings against slime's batch: a whole group must fit in flight and alive, and
+    slime's group normalisation must not count masked samples."""
+    normalises = slime.advantage_estimator in GROUP_NORMALISED_ESTIMATORS and slime.rewards_normalization
+    if c.mask_failed_samples and normalises and slime.custom_reward_post_process_path is None:
+        raise AprilConfigError("april_mask_failed_samples: slime's group reward normalisation would count the masked "
+                               f"samples; set --custom-reward-post-process-path {MASKING_POST_PROCESS}")
+    batch, n = slime.rollout_batch_size, slime.n_samples_per_prompt
+    if batch is not None and batch < 1:
+        raise AprilConfigError(f"rollout_batch_size: must be >= 1, got {batch}")
+    if n is not None and n < 1:
+        raise AprilConfigError(f"n_samples_per_prompt: must be >= 1, got {n}")
+    if c.policy == "copris" and c.concurrency is not None and n is not None and c.concurrency < n:
+        raise AprilConfigError(f"april_concurrency: must be >= n_samples_per_prompt ({n}) so one whole group can "
+                               f"be in flight, got {c.concurrency}")
+    if c.max_live_episodes is not None and n is not None and c.max_live_episodes < n:
+        raise AprilConfigError(f"april_max_live_episodes: must be >= n_samples_per_prompt ({n}) so one whole "
+                               f"group can be alive, got {c.max_live_episodes}")
 
 
 # ------------------------------------------------------------------------------- what slime computes
-def steps_per_rollout(args: Any) -> int:
-    """slime's optimizer steps per rollout: rollout_batch_size * n_samples_per_prompt // global_batch_size."""
-    try:
-        return max(1, int(args.rollout_batch_size) * int(args.n_samples_per_prompt) // int(args.global_batch_size))
-    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
-        return 1
-
-
-def slime_recomputes_anyway(args: Any) -> bool:
-    """Whether something of slime's step besides the loss reads its recomputed log-probs, so slime runs
-    its log-prob forward whatever the loss answers (slime's own ``can_reuse_log_probs_in_loss`` lists them)."""
-    return bool(getattr(args, "kl_coef", 0) or getattr(args, "use_critic", False)
-                or getattr(args, "keep_old_actor", False) or getattr(args, "use_opd", False)
-                or (getattr(args, "use_routing_replay", False)
-                    and not getattr(args, "use_rollout_routing_replay", False)))
-
-
 def needs_proximal(loss: LossSettings, steps: int) -> bool:
     """Whether the custom loss reads the proximal log-probs pi_prox: decoupled clips around them, and
     on_policy is anchored on them when the rollout has several optimizer steps."""
@@ -83,27 +90,27 @@ def needs_proximal(loss: LossSettings, steps: int) -> bool:
 
 
 # ------------------------------------------------------------------------------- the loss hooks
-def check_custom_loss(args: Any, loss: LossSettings) -> None:
+def check_custom_loss(slime: SlimeArgs, loss: LossSettings) -> None:
     """What the custom loss (``april_slime.loss.policy_loss``) cannot serve, and where it would find
     no proximal log-probs (docs/loss.md, "The proximal log-probs")."""
-    if loss.is_mode == "decoupled" and getattr(args, "use_rollout_logprobs", False):
+    if loss.is_mode == "decoupled" and slime.use_rollout_logprobs:
         raise AprilConfigError("april_is_mode: decoupled needs the recomputed proximal log-probs; drop slime's "
                                "--use-rollout-logprobs")
-    if getattr(args, "custom_loss_function_path", None) != CUSTOM_LOSS_PATH:
+    if slime.custom_loss_function_path != CUSTOM_LOSS_PATH:
         return
-    if getattr(args, "advantage_estimator", None) == "cispo":
+    if slime.advantage_estimator == "cispo":
         raise AprilConfigError("april_is_mode: the custom loss implements PPO/GSPO objectives, not CISPO; "
                                "use slime's policy_loss with april_slime.loss.tis instead")
-    if getattr(args, "use_opsm", False):
+    if slime.use_opsm:
         raise AprilConfigError("april_is_mode: --use-opsm is not supported by the custom loss")
-    steps = steps_per_rollout(args)
+    steps = slime.steps_per_rollout
     if not needs_proximal(loss, steps) or steps == 1:
         return  # none needed, or the training forward's own (one optimizer step per rollout)
-    rollout_only = bool(getattr(args, "use_rollout_logprobs", False))  # slime recomputes nothing
+    rollout_only = bool(slime.use_rollout_logprobs)  # slime recomputes nothing
     if rollout_only and loss.prox_log_probs != "loglinear":
         raise AprilConfigError(proximal_missing_message(loss.is_mode, steps))
-    interpolates = loss.prox_log_probs == "loglinear" and (rollout_only or not slime_recomputes_anyway(args))
-    if interpolates and getattr(args, "custom_megatron_before_train_step_hook_path", None) is None:
+    interpolates = loss.prox_log_probs == "loglinear" and (rollout_only or not slime.recomputes_log_probs_anyway)
+    if interpolates and slime.custom_megatron_before_train_step_hook_path is None:
         raise AprilConfigError(LOGLINEAR_NEEDS_HOOK)
 
 
@@ -116,16 +123,16 @@ LOGLINEAR_NEEDS_HOOK = ("april_prox_log_probs: loglinear needs the step of the r
                         f"--custom-megatron-before-train-step-hook-path {VCPO_HOOK_PATH}")
 
 
-def check_tis_hook(args: Any, loss: LossSettings) -> None:
+def check_tis_hook(slime: SlimeArgs, loss: LossSettings) -> None:
     """The TIS hook (``april_slime.loss.tis``), which slime calls with --use-tis or
     --get-mismatch-metrics: it implements decoupled PPO and sees only the recomputed log-probs."""
-    if getattr(args, "custom_tis_function_path", None) != TIS_HOOK_PATH:
+    if slime.custom_tis_function_path != TIS_HOOK_PATH:
         return
-    if not (getattr(args, "use_tis", False) or getattr(args, "get_mismatch_metrics", False)):
+    if not (slime.use_tis or slime.get_mismatch_metrics):
         return
     if loss.vcpo_lr_scaling or loss.vcpo_baseline:
         raise AprilConfigError(TIS_REFUSES_VCPO)
-    if getattr(args, "use_tis", False):
+    if slime.use_tis:
         check_tis_mode(loss.is_mode)
 
 
@@ -153,44 +160,44 @@ GROUP_SCOPE_NEEDS_ADVANTAGES = (
     "april_vcpo_baseline_scope: global")
 
 
-def check_vcpo_hooks(args: Any, loss: LossSettings) -> None:
+def check_vcpo_hooks(slime: SlimeArgs, loss: LossSettings) -> None:
     """VCPO's state lives in the before-train-step hook, and the group scope reads the prompt groups
     that ``opob_advantages`` writes: a job that names no such hook cannot run them. (A hook of the
     user's own may call the plugin's; the loss refuses at its first micro-batch if it did not.)"""
     if not (loss.vcpo_lr_scaling or loss.vcpo_baseline):
         return
-    if getattr(args, "custom_megatron_before_train_step_hook_path", None) is None:
+    if slime.custom_megatron_before_train_step_hook_path is None:
         raise AprilConfigError(VCPO_NEEDS_HOOK)
     if (loss.vcpo_baseline and loss.vcpo_baseline_scope == "group"
-            and getattr(args, "custom_advantage_function_path", None) is None):
+            and slime.custom_advantage_function_path is None):
         raise AprilConfigError(GROUP_SCOPE_NEEDS_ADVANTAGES)
 
 
-def check_vcpo(args: Any, config: LossSettings, dp_size: int = 1) -> None:
+def check_vcpo(slime: SlimeArgs, config: LossSettings, dp_size: int = 1) -> None:
     """Refuse, in one ``AprilConfigError``, every setup the enabled VCPO controls cannot serve. At
     start ``dp_size`` is 1; ``april_slime.vcpo.before_train_step`` runs it again with the data-parallel
     size Megatron's process groups have (the group scope's layouts on several ranks)."""
     if not (config.vcpo_lr_scaling or config.vcpo_baseline):
         return
-    loss_type = getattr(args, "loss_type", None)
+    loss_type = slime.loss_type
     if loss_type is not None and loss_type != "custom_loss":
         raise AprilConfigError(
             "april_vcpo_lr_scaling / april_vcpo_baseline: VCPO is fed by the custom loss; set --loss-type custom_loss "
             f"--custom-loss-function-path {CUSTOM_LOSS_PATH} (got --loss-type {loss_type})")
     if not config.vcpo_baseline:
         return
-    estimator = getattr(args, "advantage_estimator", None)
+    estimator = slime.advantage_estimator
     checks = [
-        (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1,
-        (getattr(args, "context_parallel_size", 1) or 1) > 1,
-        bool(getattr(args, "overlap_grad_reduce", False)),
-        bool(getattr(args, "use_kl_loss", False)),
-        float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0,
-        bool(getattr(args, "recompute_loss_function", False)),
+        (slime.pipeline_model_parallel_size or 1) > 1,
+        (slime.context_parallel_size or 1) > 1,
+        bool(slime.overlap_grad_reduce),
+        bool(slime.use_kl_loss),
+        float(slime.entropy_coef or 0.0) != 0.0,
+        bool(slime.recompute_loss_function),
         config.is_mode != "copris",
         config.is_level != "sequence",
         config.loss_level != "token" or estimator in ("gspo", "cispo"),
-        config.vcpo_length_norm and bool(getattr(args, "calculate_per_token_loss", False)),
+        config.vcpo_length_norm and bool(slime.calculate_per_token_loss),
     ]
     reasons = [
         "pipeline parallelism (only the last stage sees the rewards)",
@@ -209,42 +216,42 @@ def check_vcpo(args: Any, config: LossSettings, dp_size: int = 1) -> None:
     ]
     bad = [r for c, r in zip(checks, reasons) if c]
     if config.vcpo_baseline_scope == "group":
-        bad += _group_scope_problems(args, dp_size)
+        bad += _group_scope_problems(slime, dp_size)
     if bad:
         raise AprilConfigError("april_vcpo_baseline: not supported with " + "; ".join(bad))
 
 
-def groups_across_ranks(args: Any, dp_size: int) -> bool:
+def groups_across_ranks(slime: SlimeArgs, dp_size: int) -> bool:
     """Whether slime's static schedule spreads each prompt group over the data-parallel ranks:
     micro-batches smaller than a group go to the ranks round-robin (VCPO's one sample per
     micro-batch among them), so every rank holds a part of every group, at the same micro-batches."""
-    n = getattr(args, "n_samples_per_prompt", None)
-    mbs = getattr(args, "micro_batch_size", None)
+    n = slime.n_samples_per_prompt
+    mbs = slime.micro_batch_size
     return bool(dp_size > 1 and n and mbs and mbs < n)
 
 
-def _group_scope_problems(args: Any, dp_size: int) -> list[str]:
+def _group_scope_problems(slime: SlimeArgs, dp_size: int) -> list[str]:
     """The group scope folds each prompt group when its last sample's backward has run, so a
     group must lie in consecutive micro-batches that hold no other group: on one rank, or, spread
     over the data-parallel ranks (``groups_across_ranks``), at the same micro-batches of each."""
-    n = getattr(args, "n_samples_per_prompt", None)
-    mbs = getattr(args, "micro_batch_size", None)
-    gbs = getattr(args, "global_batch_size", None)
+    n = slime.n_samples_per_prompt
+    mbs = slime.micro_batch_size
+    gbs = slime.global_batch_size
     out = []
     hint = "; or set april_vcpo_baseline_scope: global"
-    if getattr(args, "use_dynamic_batch_size", False):
+    if slime.use_dynamic_batch_size:
         out.append("april_vcpo_baseline_scope: group with --use-dynamic-batch-size (its packing mixes prompt "
                    f"groups in a micro-batch): use --micro-batch-size 1 or {n or 'n_samples_per_prompt'}{hint}")
     elif n and mbs and n % mbs:
         out.append(f"april_vcpo_baseline_scope: group with --micro-batch-size {mbs} (it must divide "
                    f"--n-samples-per-prompt {n} so that no micro-batch holds two prompt groups){hint}")
-    elif groups_across_ranks(args, dp_size):
+    elif groups_across_ranks(slime, dp_size):
         if n % (mbs * dp_size):
             out.append(f"april_vcpo_baseline_scope: group with --micro-batch-size {mbs} on {dp_size} data-parallel "
                        f"ranks (--n-samples-per-prompt {n} must be a multiple of {mbs * dp_size}, or equal "
                        f"--micro-batch-size, so that each prompt group lies at the same micro-batches of every "
                        f"rank){hint}")
-        if getattr(args, "balance_data", False):
+        if slime.balance_data:
             out.append(f"april_vcpo_baseline_scope: group with --micro-batch-size {mbs} < --n-samples-per-prompt "
                        f"{n} and --balance-data on {dp_size} data-parallel ranks (its partition puts a group's "
                        f"micro-batches at different positions on the ranks){hint}")

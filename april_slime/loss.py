@@ -11,8 +11,8 @@ Two entry points, loaded by slime from their import paths:
   ``--get-mismatch-metrics`` and without ``--use-tis`` it only reports metrics.
 
 Settings are the job's ``LossSettings`` (``april_is_mode``, ``april_is_level``, ``april_is_correction``,
-``april_is_low``, ``april_is_high``, ``april_loss_level``; ``april_slime.settings.for_job``), read and
-checked once per ``args`` object. PPO clip bounds are slime's ``--eps-clip`` / ``--eps-clip-high`` / ``--eps-clip-c``.
+``april_is_low``, ``april_is_high``, ``april_loss_level``; ``april_slime.job.describe``), read and
+checked once per job. PPO clip bounds are slime's ``--eps-clip`` / ``--eps-clip-high`` / ``--eps-clip-c``.
 
 Both start with the packing step of ``april_slime.loss_batch`` (``read_samples``: whole responses,
 packed once, whatever the context-parallel layout), which also reads the per-token policy versions
@@ -66,9 +66,10 @@ from typing import Any
 
 import torch
 
-from april_slime import job_checks, settings, vcpo
+from april_slime import job_checks, vcpo
 from april_slime.core.config import AprilConfigError
 from april_slime.core.keys import METRIC_PREFIX, OPOB_GROUP_KEY, TOKEN_VERSIONS_KEY
+from april_slime.job import describe
 from april_slime.loss_batch import SlimeMicrobatch, read_batch, read_samples, token_versions
 from april_slime.training import loss_metrics, offpolicy, staleness
 from april_slime.training.baseline import OpobResult, SampleGroups, opob_policy_loss, per_sample_rewards
@@ -81,8 +82,8 @@ __all__ = ["SlimeMicrobatch", "config_for", "policy_loss", "read_samples", "reus
 
 
 def config_for(args: Any) -> LossSettings:
-    """The job's loss settings (``april_slime.settings.for_job``)."""
-    return settings.for_job(args).loss
+    """The job's loss settings (``april_slime.job.describe``)."""
+    return describe(args).loss
 
 
 # ---------------------------------------------------------------------- policy-loss terms
@@ -105,12 +106,12 @@ def reuses_train_log_probs(args: Any, num_microbatches: list[int]) -> bool:
     separate log-prob forward: True when this loss takes pi_prox from its own training forward
     (one optimizer step per rollout, ``april_prox_log_probs: auto | loglinear``) or interpolates it
     (``loglinear``), and nothing else of slime's step needs the recomputed log-probs."""
-    config = config_for(args)
-    if config.prox_log_probs == "recompute":
+    job = describe(args)
+    if job.loss.prox_log_probs == "recompute":
         return False
-    if len(num_microbatches) != 1 and config.prox_log_probs != "loglinear":
+    if len(num_microbatches) != 1 and job.loss.prox_log_probs != "loglinear":
         return False
-    return not job_checks.slime_recomputes_anyway(args)
+    return not job.slime.recomputes_log_probs_anyway
 
 
 # ---------------------------------------------------------------------------- custom loss
@@ -127,10 +128,11 @@ def policy_loss(
     ``loss_masks``, ``response_lengths``, ``total_lengths``, ``unconcat_tokens``, optionally
     ``ref_log_probs`` and the token versions described in the module doc.
     """
-    config = config_for(args)
-    loss_level = "sequence" if getattr(args, "advantage_estimator", None) == "gspo" else config.loss_level
+    job = describe(args)
+    config, slime_args = job.loss, job.slime
+    loss_level = "sequence" if slime_args.advantage_estimator == "gspo" else config.loss_level
 
-    mb = read_batch(args, config, batch, logits)
+    mb = read_batch(job, batch, logits)
     whole, packing, mask = mb.whole, mb.packing, mb.whole.loss_mask
     stale = None  # april_stale_token_lag's (weights, stale) per token (refused with vcpo_baseline)
     if config.vcpo_baseline:
@@ -141,8 +143,8 @@ def policy_loss(
         objective = offpolicy.policy_objective(
             whole.log_probs, whole.old_log_probs, whole.rollout_log_probs, whole.advantages, mask, packing,
             mode=config.is_mode, is_level=config.is_level, correction=config.is_correction,
-            is_low=config.is_low, is_high=config.is_high, eps_clip=args.eps_clip,
-            eps_clip_high=getattr(args, "eps_clip_high", None), eps_clip_c=getattr(args, "eps_clip_c", None),
+            is_low=config.is_low, is_high=config.is_high, eps_clip=slime_args.eps_clip,
+            eps_clip_high=slime_args.eps_clip_high, eps_clip_c=slime_args.eps_clip_c,
             loss_level=loss_level,
         )
         stale = _stale_token_weights(config, mb)
@@ -160,14 +162,14 @@ def policy_loss(
     local_log_probs = concat_samples(mb.log_probs)
     local_old = concat_samples(mb.old_log_probs).to(local_log_probs)
     entropy_loss = sum_of_sample_mean(concat_samples(mb.entropy) * keep_local)
-    loss = pg_loss - getattr(args, "entropy_coef", 0.0) * entropy_loss
+    loss = pg_loss - slime_args.entropy_coef * entropy_loss
 
     metrics: dict[str, torch.Tensor] = {}
-    if getattr(args, "use_kl_loss", False):
+    if slime_args.use_kl_loss:
         ref = concat_samples(mb.ref_log_probs).to(local_log_probs)
-        importance = torch.exp(local_log_probs - local_old) if getattr(args, "use_unbiased_kl", False) else None
-        kl_loss = token_mean(offpolicy.approx_kl(local_log_probs, ref, args.kl_loss_type, importance))
-        loss = loss + args.kl_loss_coef * kl_loss
+        importance = torch.exp(local_log_probs - local_old) if slime_args.use_unbiased_kl else None
+        kl_loss = token_mean(offpolicy.approx_kl(local_log_probs, ref, slime_args.kl_loss_type, importance))
+        loss = loss + slime_args.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss
     if local_log_probs.numel() == 0:
         # keeps every parameter in the graph so the backward collectives still run on this rank
@@ -195,7 +197,7 @@ def policy_loss(
         metrics[METRIC_PREFIX + "kl_rollout_train_k3"] = token_mean(
             loss_metrics.kl_rollout_train(local_rollout, local_log_probs))
 
-    per_token_loss = bool(getattr(args, "calculate_per_token_loss", False))
+    per_token_loss = bool(slime_args.calculate_per_token_loss)
     behaviour_ratio = offpolicy.safe_exp(objective.behaviour_log_ratio)
     per_token = {
         "ratio_mean": objective.ratio,
@@ -303,10 +305,11 @@ def tis(
     Without ``--use-tis`` (``--get-mismatch-metrics``) nothing but the metrics changes. Metrics are
     flat per-token tensors, which slime reduces with its pre-rejection ``sum_of_sample_mean``.
     """
-    config = config_for(args)
+    job = describe(args)
+    config = job.loss
     if config.vcpo_lr_scaling or config.vcpo_baseline:
         raise AprilConfigError(job_checks.TIS_REFUSES_VCPO)
-    apply = bool(getattr(args, "use_tis", False))
+    apply = bool(job.slime.use_tis)
     if apply:
         job_checks.check_tis_mode(config.is_mode)
     if response_lengths is None:
@@ -339,7 +342,7 @@ def tis(
         "masked_frac": 1.0 - weights.keep,
         "kl_rollout_train_k3": loss_metrics.kl_rollout_train(whole.rollout_log_probs, whole.old_log_probs),
         **loss_metrics.weight_metrics(packing, mask, sequence_log_weights,
-                                      bool(getattr(args, "calculate_per_token_loss", False))),
+                                      bool(job.slime.calculate_per_token_loss)),
         **loss_metrics.is_weight_quantiles(behaviour, mask),
     }
     trained = mask.bool()

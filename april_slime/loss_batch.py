@@ -27,13 +27,13 @@ versions the staleness metrics are left out; the loss itself never depends on th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from april_slime import job_checks, vcpo
 from april_slime.core.config import AprilConfigError
 from april_slime.core.keys import POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
+from april_slime.job import SlimeJob
 from april_slime.training import loss_metrics, offpolicy, staleness
 from april_slime.training.packed import PackedSamples, response_log_probs_from_logits
 from april_slime.training.proximal import loglinear_proximal_log_probs
@@ -94,20 +94,21 @@ def _slime_log_prob_helpers():
     return get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs
 
 
-def current_log_probs(args: Any, batch: dict, logits: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def current_log_probs(job: SlimeJob, batch: dict,
+                      logits: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """log pi_theta of every response token and the token entropies, per sample (CP-local)."""
     helpers = _slime_log_prob_helpers()
-    if helpers is not None:
+    if helpers is not None:  # slime's own helpers take slime's arguments
         get_log_probs_and_entropy, top_p_kwargs = helpers
         _, out = get_log_probs_and_entropy(
-            logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
-            response_lengths=batch["response_lengths"], with_entropy=True, **top_p_kwargs(args, batch))
+            logits, args=job.args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+            response_lengths=batch["response_lengths"], with_entropy=True, **top_p_kwargs(job.args, batch))
         return out["log_probs"], out["entropy"]
-    if getattr(args, "rollout_top_p", 1.0) != 1.0:
+    if job.slime.rollout_top_p != 1.0:
         raise NotImplementedError("rollout top-p replay needs slime's log-prob helper; slime is not importable here")
     return response_log_probs_from_logits(
         logits, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"],
-        temperature=getattr(args, "rollout_temperature", 1.0), with_entropy=True)
+        temperature=job.slime.rollout_temperature, with_entropy=True)
 
 
 # ------------------------------------------------------------------------------ versions
@@ -206,11 +207,12 @@ def read_samples(
         total_lengths=total_lengths, versions=versions, metadata=metadata)
 
 
-def read_batch(args: Any, config: LossSettings, batch: dict, logits: torch.Tensor) -> SlimeMicrobatch:
+def read_batch(job: SlimeJob, batch: dict, logits: torch.Tensor) -> SlimeMicrobatch:
     """``policy_loss``'s reading of slime's batch: the current log-probs and entropies from
     ``logits``, the proximal and rollout log-probs the mode needs, then ``read_samples``."""
+    config = job.loss
     response_lengths = [int(n) for n in batch["response_lengths"]]
-    log_probs, entropy = current_log_probs(args, batch, logits)
+    log_probs, entropy = current_log_probs(job, batch, logits)
     old_log_probs = batch.get("log_probs") or None
     rollout_log_probs = batch.get("rollout_log_probs") or None
     versions = token_versions(batch, response_lengths)
@@ -218,22 +220,23 @@ def read_batch(args: Any, config: LossSettings, batch: dict, logits: torch.Tenso
         raise AprilConfigError(f"april_is_mode: {config.is_mode} needs rollout log-probs in the batch; the rollout "
                                "must return them (SGLang return_logprob) for every response token")
     if old_log_probs is None:
-        old_log_probs = _proximal_without_recompute(args, config, log_probs, rollout_log_probs, versions)
+        old_log_probs = _proximal_without_recompute(job.slime.steps_per_rollout, config, log_probs,
+                                                    rollout_log_probs, versions)
     return read_samples(
         response_lengths, batch.get("total_lengths"), loss_masks=batch["loss_masks"], old_log_probs=old_log_probs,
         old_name="log_probs", log_probs=log_probs, entropy=entropy, rollout_log_probs=rollout_log_probs,
         advantages=batch["advantages"],
-        ref_log_probs=batch["ref_log_probs"] if getattr(args, "use_kl_loss", False) else None,
+        ref_log_probs=batch["ref_log_probs"] if job.slime.use_kl_loss else None,
         versions=versions, metadata=batch.get("metadata"))
 
 
-def _proximal_without_recompute(args: Any, config: LossSettings, log_probs: list[torch.Tensor],
+def _proximal_without_recompute(steps: int, config: LossSettings, log_probs: list[torch.Tensor],
                                 rollout_log_probs: list[torch.Tensor] | None,
                                 versions: TokenVersions | None) -> list[torch.Tensor]:
     """pi_prox when slime did not recompute it (``april_slime.training.proximal``): the training
     forward's own log-probs with one optimizer step per rollout, or with copris (which anchors on
-    the rollout: pi_prox only feeds its metrics); the log-linear interpolation otherwise."""
-    steps = job_checks.steps_per_rollout(args)
+    the rollout: pi_prox only feeds its metrics); the log-linear interpolation otherwise. ``steps``:
+    slime's optimizer steps per rollout."""
     if not job_checks.needs_proximal(config, steps) or steps == 1:
         if config.is_mode == "decoupled" and config.prox_log_probs == "recompute":
             raise AprilConfigError("april_is_mode: decoupled with april_prox_log_probs: recompute needs slime's "

@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from april_slime.core.config import GROUP_NORMALISED_ESTIMATORS
+from april_slime.job_checks import GROUP_NORMALISED_ESTIMATORS
+from april_slime.slime_args import SlimeArgs
 
 STD_ESTIMATORS = ("grpo", "gspo", "cispo")  # those slime divides by the group's std (--grpo-std-normalization)
 STD_EPSILON = 1e-6  # slime's
@@ -30,17 +31,15 @@ def is_masked(sample: Any) -> bool:
     return bool(getattr(sample, "remove_sample", False)) and getattr(sample.status, "value", None) == "failed"
 
 
-def masked_reward(args: Any) -> Any:
+def masked_reward(reward_key: str | None) -> Any:
     """The reward a masked sample carries: of the shape slime reads (``--reward-key``), never used."""
-    key = getattr(args, "reward_key", None)
-    return {key: 0.0} if key else 0.0
+    return {reward_key: 0.0} if reward_key else 0.0
 
 
-def _groups(count: int, args: Any) -> list[range]:
+def _groups(count: int, n: int, batch: int) -> list[range]:
     """slime's groups: consecutive runs of ``n_samples_per_prompt`` when the batch is whole groups,
     else one group of every sample (as its ``_post_process_rewards`` reshapes them)."""
-    n = args.n_samples_per_prompt
-    if count == n * args.rollout_batch_size:
+    if count == n * batch:
         return [range(start, start + n) for start in range(0, count, n)]
     return [range(count)]
 
@@ -49,12 +48,13 @@ def post_process_rewards(args: Any, samples: list[Any]) -> tuple[list[float], li
     """slime ``--custom-reward-post-process-path``: ``(raw rewards, rewards)`` as slime's own
     reward post-processing returns them, each group's mean (and std, for the estimators slime
     divides by it) taken over its unmasked samples only; a masked sample's reward is 0."""
-    raw = [s.get_reward_value(args) for s in samples]
-    if not (args.advantage_estimator in GROUP_NORMALISED_ESTIMATORS and args.rewards_normalization):
+    slime = SlimeArgs.read(args)
+    raw = [s.get_reward_value(args) for s in samples]  # slime's own method reads its arguments
+    if not (slime.advantage_estimator in GROUP_NORMALISED_ESTIMATORS and slime.rewards_normalization):
         return raw, list(raw)
-    divide = args.advantage_estimator in STD_ESTIMATORS and args.grpo_std_normalization
+    divide = slime.advantage_estimator in STD_ESTIMATORS and slime.grpo_std_normalization
     rewards = [0.0] * len(samples)
-    for group in _groups(len(samples), args):
+    for group in _groups(len(samples), slime.n_samples_per_prompt, slime.rollout_batch_size):
         kept = [i for i in group if not is_masked(samples[i])]
         if not kept:
             continue

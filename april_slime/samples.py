@@ -24,7 +24,7 @@ import hashlib
 import importlib
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from april_slime.core.columns import token_column
 from april_slime.core.config import AprilConfig, AprilConfigError
@@ -34,6 +34,9 @@ from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.core.versions import VersionRuns
 from april_slime.masking import masked_reward
 from april_slime.slime_compat import data_source_module
+
+if TYPE_CHECKING:
+    from april_slime.slime_args import SlimeArgs
 
 _STATUS_TO_SLIME = {
     TrajectoryStatus.PENDING: "PENDING",
@@ -87,9 +90,8 @@ def _optional_attr(module: str, name: str) -> Any:
 _TOKENIZERS: dict[str, Any] = {}
 
 
-def _tokenizer(slime: Slime, args: Any) -> Any:
+def _tokenizer(slime: Slime, path: str | None) -> Any:
     """slime's own tokenizer loader, once per checkpoint path (loading an HF tokenizer is slow)."""
-    path = getattr(args, "hf_checkpoint", None)
     if not path:
         raise AprilConfigError("hf_checkpoint: must be set (the tokenizer is loaded from it)")
     if path not in _TOKENIZERS:
@@ -98,19 +100,19 @@ def _tokenizer(slime: Slime, args: Any) -> Any:
 
 
 # ====================================================================== what training replays
-def replay_spec(args: Any) -> ReplaySpec:
+def replay_spec(slime_args: SlimeArgs) -> ReplaySpec:
     """What the job's trainer replays, from slime's arguments; ``AprilConfigError`` naming the key."""
-    top_p = getattr(args, "rollout_top_p", 1.0)
+    top_p = slime_args.rollout_top_p
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise AprilConfigError(f"rollout_top_p: must lie in (0, 1], got {top_p!r}")
     layers = topk = 0
-    if getattr(args, "use_rollout_routing_replay", False):
-        layers, topk = getattr(args, "num_layers", None), getattr(args, "moe_router_topk", None)
+    if slime_args.use_rollout_routing_replay:
+        layers, topk = slime_args.num_layers, slime_args.moe_router_topk
         for key, value in (("num_layers", layers), ("moe_router_topk", topk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise AprilConfigError(f"use_rollout_routing_replay: needs {key} (slime's model arguments) as an "
                                        f"integer >= 1 to read the engines' routed experts, got {value!r}")
-    top_p_log_probs, sampler_topk = sampler_capture(args, top_p)
+    top_p_log_probs, sampler_topk = sampler_capture(slime_args, top_p)
     return ReplaySpec(routed_layers=layers, routed_topk=topk, top_p=top_p < 1.0, top_p_log_probs=top_p_log_probs,
                       topk=sampler_topk)
 
@@ -119,18 +121,18 @@ TOP_P_LOG_PROBS_FIELD = "rollout_top_p_log_probs"
 TOPK_FIELDS = ("rollout_topk_token_ids", "rollout_topk_log_probs")
 
 
-def sampler_capture(args: Any, top_p: float) -> tuple[bool, int]:
+def sampler_capture(slime_args: SlimeArgs, top_p: float) -> tuple[bool, int]:
     """What slime 0.4.0's score centering trains on (``slime/utils/score_centering.py``): at top-p < 1
     the nucleus with the sampler's log-probs of its ids, else the sampler's top-k of every token.
     (False, 0) when the job does not ask, or when the installed slime's ``Sample`` has no field for
     it (the pinned slime has neither the arguments nor the fields)."""
-    if not getattr(args, "use_score_centering", False):
+    if not slime_args.use_score_centering:
         return False, 0
     if top_p < 1.0:
         return sample_declares(TOP_P_LOG_PROBS_FIELD), 0
     if not sample_declares(*TOPK_FIELDS):
         return False, 0
-    k = getattr(args, "score_centering_top_k", None)
+    k = slime_args.score_centering_top_k
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise AprilConfigError(f"score_centering_top_k: must be an integer >= 1, got {k!r}")
     return False, k
@@ -275,18 +277,18 @@ def plain(value: Any) -> Any:
 class SampleCodec:
     """Converts between slime samples and the rollout records, at this boundary only."""
 
-    def __init__(self, slime: Slime, args: Any, config: AprilConfig) -> None:
+    def __init__(self, slime: Slime, config: AprilConfig, slime_args: SlimeArgs, replay: ReplaySpec) -> None:
         self.slime = slime
-        self.args = args
         self.config = config
-        self.n = args.n_samples_per_prompt
-        self.budget = args.rollout_max_response_len
-        self.seed = getattr(args, "rollout_seed", 42)
-        self.replay = replay_spec(args)
+        self.slime_args = slime_args
+        self.n = slime_args.n_samples_per_prompt
+        self.budget = slime_args.rollout_max_response_len
+        self.seed = slime_args.rollout_seed
+        self.replay = replay
 
     @property
     def tokenizer(self) -> Any:
-        return _tokenizer(self.slime, self.args)
+        return _tokenizer(self.slime, self.slime_args.hf_checkpoint)
 
     # ------------------------------------------------------------ prompts -> groups
     def prompt_ids(self, sample: Any) -> list[int]:
@@ -351,7 +353,7 @@ class SampleCodec:
         s.response_length = t.response_length
         # decoded once over the whole response: stage boundaries can split a multi-byte character
         s.response = (self.tokenizer.decode(t.response_ids.tolist(), skip_special_tokens=bool(
-            getattr(self.args, "rollout_skip_special_tokens", False))) if t.response_ids else "")
+            self.slime_args.rollout_skip_special_tokens)) if t.response_ids else "")
         s.rollout_log_probs = t.logprobs.tolist()
         s.loss_mask = self._loss_mask(t.loss_mask, t.token_versions(), current_version)
         s.status = Sample.Status[_STATUS_TO_SLIME[t.status]]
@@ -369,8 +371,8 @@ class SampleCodec:
         s.status, s.remove_sample = self.slime.Sample.Status.FAILED, True
         put_placeholder_replay(s, self.replay)
         version = current_version if current_version is not None else 0
-        return self._with_plugin_fields(s, group.restarts, masked_reward(self.args), VersionRuns.single(version, 1),
-                                        [], 0, 0, current_version)
+        return self._with_plugin_fields(s, group.restarts, masked_reward(self.slime_args.reward_key),
+                                        VersionRuns.single(version, 1), [], 0, 0, current_version)
 
     def _episode_sample(self, group: Group, t: Trajectory, current_version: int | None) -> Any:
         s = self.slime.Sample.from_dict(copy.deepcopy(t.episode_sample))
@@ -416,7 +418,7 @@ class SampleCodec:
     def _loss_mask(self, mask: list[int] | None, versions: list[int], current_version: int | None) -> list[int]:
         # slime's --mask-offpolicy-in-partial-rollout trains only on tokens of the current policy
         mask = list(mask) if mask is not None else [1] * len(versions)
-        if getattr(self.args, "mask_offpolicy_in_partial_rollout", False) and current_version is not None:
+        if self.slime_args.mask_offpolicy_in_partial_rollout and current_version is not None:
             return [m * int(v == current_version) for m, v in zip(mask, versions)]
         return mask
 

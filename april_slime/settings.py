@@ -1,37 +1,27 @@
-"""A slime job's plugin settings, built and checked once per job.
+"""A slime job's plugin settings: the ``april_*`` keys, parsed and checked each in its own wing.
 
-slime hands the same ``args`` object to the rollout function, the data source, the loss hooks and
-the train-step hook. Each of them asks ``for_job(args)`` and gets the one ``JobSettings`` built from
-it: the rollout's settings (``rollout``: ``april_slime.core.config.AprilConfig``) and the loss's
-(``loss``: ``april_slime.training.settings.LossSettings``), each defined in its own wing, parsed
-here from the ``april_*`` attributes and cross-checked against slime's own arguments, then left
-alone.
+``JobSettings`` holds the rollout's settings (``rollout``: ``april_slime.core.config.AprilConfig``)
+and the loss's (``loss``: ``april_slime.training.settings.LossSettings``), each defined in its own
+wing and parsed here from the ``april_*`` attributes that slime set on ``args`` (the seam,
+``april_slime.job``, reads them and builds this once per job).
 
 Misspelled keys. slime sets every key of the custom YAML as an attribute of ``args`` (no check:
 the file also carries arguments of users' own functions), so a misspelled setting would silently
-keep its default. ``from_args`` therefore refuses every ``april_*`` attribute that is not a setting,
-and, for the keys it can tell came from the custom YAML (it reads ``args.custom_config_path`` again),
-every key that names a setting without its prefix (``policy``) or nearly names one (``aprl_policy``,
-``april-policy``). Only the YAML's keys are compared this loosely: every other attribute of ``args``
-is slime's or Megatron's own, and none of those is a near miss of a setting (checked against
-slime's parser by ``tests/real``). Each refusal names the closest valid key.
-
-Start-time refusals. ``for_job`` runs ``april_slime.job_checks.check_job`` once per job, wherever
-the job first asks for its settings (the plugin's data source, when slime's rollout manager starts):
-every refusal that needs only the settings and slime's arguments stops the job there, before its
-first rollout, with one line naming the key. What needs the running job to decide is refused where
-it is first known (``april_slime.job_checks`` says which).
+keep its default. ``from_attributes`` therefore refuses every ``april_*`` attribute that is not a
+setting, and, for the keys it can tell came from the custom YAML (``custom_config_keys`` reads the
+file slime applied again), every key that names a setting without its prefix (``policy``) or nearly
+names one (``aprl_policy``, ``april-policy``). Only the YAML's keys are compared this loosely: every
+other attribute of ``args`` is slime's or Megatron's own, and none of those is a near miss of a
+setting (checked against slime's parser by ``tests/real``). Each refusal names the closest valid key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
-from april_slime import job_checks
 from april_slime.core.config import AprilConfig, AprilConfigError, coerce
 from april_slime.core.keys import SETTING_PREFIX
 from april_slime.training.settings import LossSettings, LossSettingsError
@@ -48,18 +38,18 @@ class JobSettings:
     loss: LossSettings
 
     @classmethod
-    def from_args(cls, args: Any) -> JobSettings:
-        """Read every ``args.april_<name>`` that is set (not None) and validate the result.
+    def from_attributes(cls, attributes: dict[str, Any], yaml_keys: set[str] | list[str] = ()) -> JobSettings:
+        """Build from slime's ``april_*`` attributes (``attributes``: every attribute of ``args`` that
+        looks prefixed, by name) and validate the result.
 
         Refuses ``april_*`` attributes that are not settings, near misses of a setting among the
-        custom YAML's keys, and settings the YAML leaves empty (``april_policy:``).
+        custom YAML's keys (``yaml_keys``), and settings the YAML leaves empty (``april_policy:``).
         """
-        yaml_keys = custom_config_keys(args)
-        check_keys([k for k in _attributes(args) if _looks_prefixed(k)], yaml_keys)
+        check_keys(list(attributes), yaml_keys)
         values = {}
         for name, f in _fields().items():
             key = SETTING_PREFIX + name
-            value = getattr(args, key, None)
+            value = attributes.get(key)
             if value is not None:
                 values[name] = value
             elif key in yaml_keys:
@@ -88,28 +78,6 @@ class JobSettings:
         return {SETTING_PREFIX + k: v for k, v in out.items()} if prefixed else out
 
 
-# ---------------------------------------------------------------------------- one per job
-_JOBS: dict[int, tuple[Any, JobSettings]] = {}
-_MAX_JOBS = 16  # tests build many jobs in one process; a real job has one args object
-_LOCK = threading.Lock()
-
-
-def for_job(args: Any) -> JobSettings:
-    """The validated settings of the job whose arguments are ``args``; an ``AprilConfigError``
-    naming the key when they are wrong or the job combines them with what they cannot serve."""
-    with _LOCK:
-        hit = _JOBS.get(id(args))
-        if hit is not None and hit[0] is args:
-            return hit[1]
-    settings = JobSettings.from_args(args)
-    job_checks.check_job(args, settings.rollout, settings.loss)
-    with _LOCK:
-        if len(_JOBS) >= _MAX_JOBS:
-            _JOBS.pop(next(iter(_JOBS)))
-        _JOBS[id(args)] = (args, settings)
-    return settings
-
-
 # ---------------------------------------------------------------------------- misspelled keys
 def _fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for cls in (AprilConfig, LossSettings) for f in fields(cls)}
@@ -119,18 +87,11 @@ def setting_keys() -> list[str]:
     return [SETTING_PREFIX + name for name in _fields()]
 
 
-def _attributes(args: Any) -> list[str]:
-    try:
-        return list(vars(args))
-    except TypeError:  # an args object without __dict__
-        return [k for k in dir(args) if not k.startswith("__")]
-
-
 def _normalized(key: str) -> str:
     return key.strip().lower().replace("-", "_")
 
 
-def _looks_prefixed(key: str) -> bool:
+def looks_prefixed(key: str) -> bool:
     return _normalized(key).startswith(SETTING_PREFIX)
 
 
@@ -141,10 +102,9 @@ def _closest(key: str) -> str:
     return "no setting is close; `april-slime settings` lists them all"
 
 
-def custom_config_keys(args: Any) -> set[str]:
+def custom_config_keys(path: str | None) -> set[str]:
     """The keys of the YAML slime applied from ``--custom-config-path`` (empty when there is none,
     or when the file is not readable from this process: then only ``april_*`` keys are checked)."""
-    path = getattr(args, "custom_config_path", None)
     if not path:
         return set()
     try:

@@ -26,8 +26,8 @@ The plugin is built and tested against slime at the pinned commit (624b824a8, ve
   wrote, while its new tokens are recorded under the new version (docs/real-stack.md measures what
   such tokens are). It works; ``notes`` says so at start.
 
-``check_job(args)`` raises ``AprilConfigError`` with one line naming the slime version and what is
-missing; ``notes(args)`` are the warnings; ``describe()`` is what ``scripts/check_env.py`` prints.
+``check_job(slime)`` raises ``AprilConfigError`` with one line naming the slime version and what is
+missing; ``notes(slime)`` are the warnings; ``describe()`` is what ``scripts/check_env.py`` prints.
 """
 
 from __future__ import annotations
@@ -35,9 +35,12 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from april_slime.core.config import AprilConfigError
+
+if TYPE_CHECKING:
+    from april_slime.slime_args import SlimeArgs
 
 PINNED_VERSION = "0.3.1"  # slime's setup.py at the pinned commit 624b824a8
 # where slime keeps RolloutDataSource: the pinned commit's module first, then 0.4.0's
@@ -83,9 +86,9 @@ def _label() -> str:
     return f"slime {version}" if version else f"slime ({layout()} layout, version unknown)"
 
 
-def check_job(args: Any) -> None:
+def check_job(slime: SlimeArgs) -> None:
     """Stop the job at start, with one line, where this slime asks for what the plugin cannot serve."""
-    if getattr(args, "rollout_data_transport", None) == "straw":
+    if slime.rollout_data_transport == "straw":
         raise AprilConfigError(
             f"rollout_data_transport: {_label()} with --rollout-data-transport straw is not supported by "
             "april_slime: straw's durable queue hands prompts and partial continuations out as leased tasks, "
@@ -93,16 +96,16 @@ def check_job(args: Any) -> None:
             "itself, while the plugin's data source keeps partial groups across steps in its own buffer and "
             "checkpoint, so a partial would be saved and resumed by both and a group finished steps later "
             "would complete an expired lease; use the default object-store transport")
-    if getattr(args, "buffer_sort_by_staleness", False):
+    if slime.buffer_sort_by_staleness:
         raise AprilConfigError(
             f"buffer_sort_by_staleness: {_label()}'s --buffer-sort-by-staleness sorts slime's own buffer, "
             "which april_slime's data source replaces; drop it and set april_resume_priority: stalest")
 
 
-def notes(args: Any) -> list[str]:
+def notes(slime: SlimeArgs) -> list[str]:
     """What works on this slime but differs from the pinned one (logged at start)."""
     out = []
-    interval = getattr(args, "flush_cache_interval", None)
+    interval = slime.flush_cache_interval
     if interval is not None and interval != 1:
         out.append(f"{_label()}: --flush-cache-interval {interval} keeps the KV cache across weight updates; a "
                    "partial resumed after an update continues on the old weights' cache, its new tokens are "

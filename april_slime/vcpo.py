@@ -28,15 +28,15 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from april_slime import job_checks, settings
+from april_slime import job_checks
 from april_slime.core.config import AprilConfigError
 from april_slime.core.keys import MASKED_MEMBERS_KEY, OPOB_GROUP_KEY
+from april_slime.job import SlimeJob, describe
 from april_slime.training.baseline import OpobAccumulator, OpobOptions
 from april_slime.training.ess import EssLrScaler
 from april_slime.training.grad_norms import PerSampleGradNorms, group_active
@@ -60,9 +60,9 @@ class VcpoRuntime:
     """Everything VCPO keeps for one slime training job (one per training process): the learning-rate
     rule, the baseline's accumulator, which step of which rollout runs, and the step's timing."""
 
-    def __init__(self, config: LossSettings, *, args: Any = None, group=None) -> None:
+    def __init__(self, config: LossSettings, *, job: SlimeJob | None = None, group=None) -> None:
         self.config = config
-        self.args = args
+        self.job = job  # None outside a slime job: nothing is logged, rho_on is neither saved nor restored
         self.group = group  # every rank of the job: the ESS statistics
         self.lr_scaler: EssLrScaler | None = None
         if config.vcpo_lr_scaling:
@@ -169,7 +169,7 @@ class VcpoRuntime:
             out["vcpo/opob_time_frac"] = opob_s / step_s if step_s > 0 else float("nan")
         self.last_log = out
         self._save_rho_on()
-        _log_to_slime(self.args, self.rollout_id, self.step_id, out)
+        _log_to_slime(self.job, self.rollout_id, self.step_id, out)
 
     def _baseline_metrics(self) -> dict[str, float]:
         opob = self.opob
@@ -202,7 +202,7 @@ class VcpoRuntime:
         """With the estimate, a restarted job takes the rho_on its first run measured (``--load``)."""
         if not self.config.vcpo_rho_on_estimate:
             return
-        load = getattr(self.args, "load", None)
+        load = self.job.slime.load if self.job is not None else None
         path = os.path.join(load, STATE_FILE) if load else None
         if path is None or not os.path.isfile(path):
             return
@@ -219,7 +219,7 @@ class VcpoRuntime:
         if self._rho_on_saved or self.lr_scaler is None or not self.config.vcpo_rho_on_estimate:
             return
         rho_on = self.lr_scaler.rho_on
-        save = getattr(self.args, "save", None)
+        save = self.job.slime.save if self.job is not None else None
         if rho_on is None or not save:
             return
         self._rho_on_saved = True
@@ -235,10 +235,10 @@ class VcpoRuntime:
         os.replace(tmp, path)
 
 
-def _log_to_slime(args: Any, rollout_id: int, step_id: int, values: dict[str, float]) -> None:
+def _log_to_slime(job: SlimeJob | None, rollout_id: int, step_id: int, values: dict[str, float]) -> None:
     """One line per optimizer step through slime's own logger (wandb / tensorboard), on the rank
     slime logs its train metrics from, at slime's ``train/step``."""
-    if not values or args is None or not (dist.is_available() and dist.is_initialized()):
+    if not values or job is None or not (dist.is_available() and dist.is_initialized()):
         return
     try:
         from megatron.core import mpu
@@ -248,10 +248,9 @@ def _log_to_slime(args: Any, rollout_id: int, step_id: int, values: dict[str, fl
     if (mpu.get_data_parallel_rank(with_context_parallel=True) != 0 or mpu.get_tensor_model_parallel_rank() != 0
             or mpu.get_pipeline_model_parallel_rank() != mpu.get_pipeline_model_parallel_world_size() - 1):
         return
-    per_rollout = job_checks.steps_per_rollout(args)
     log = {f"train/{k}": v for k, v in values.items()}
-    log["train/step"] = rollout_id * per_rollout + step_id
-    logging_utils.log(args, log, step_key="train/step")
+    log["train/step"] = rollout_id * job.slime.steps_per_rollout + step_id
+    logging_utils.log(job.args, log, step_key="train/step")
     logger.info("vcpo step %d: %s", log["train/step"], log)
 
 
@@ -280,7 +279,8 @@ def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_sch
     """
     global _RUNTIME
     if _RUNTIME is None:
-        config = settings.for_job(args).loss  # the job's start-time checks, VCPO's included
+        job = describe(args)  # the job's start-time checks, VCPO's included
+        config = job.loss
         tp = dp = (0, 1, None)
         if config.vcpo_baseline:
             from megatron.core import mpu  # lazy: only inside a Megatron job
@@ -289,10 +289,10 @@ def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_sch
                   mpu.get_tensor_model_parallel_group())
             dp = (mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), mpu.get_data_parallel_group())
             if dp[1] > 1:  # the group scope's layouts on several ranks, known only now
-                job_checks.check_vcpo(args, config, dp_size=dp[1])
-        rt = VcpoRuntime(config, args=args)
+                job_checks.check_vcpo(job.slime, config, dp_size=dp[1])
+        rt = VcpoRuntime(config, job=job)
         rt.attach_model(model, tp_rank=tp[0], tp_size=tp[1], tp_group=tp[2], dp_group=dp[2],
-                        groups_across_ranks=job_checks.groups_across_ranks(args, dp[1]))
+                        groups_across_ranks=job_checks.groups_across_ranks(job.slime, dp[1]))
         _RUNTIME = rt
     rt = _RUNTIME
     if rt.lr_scaler is not None or rt.opob is not None:
@@ -331,7 +331,7 @@ def opob_advantages(args, rollout_data: dict) -> None:
     rollout_data["returns"] = [a.clone() for a in advantages]
     if raw_all is None or partition is None:
         return
-    n = int(getattr(args, "n_samples_per_prompt", 1) or 1)
+    n = int(describe(args).slime.n_samples_per_prompt or 1)
     if len(raw_all) % n:
         raise ValueError(f"{len(raw_all)} rewards in the rollout are not whole groups of n_samples_per_prompt {n}")
     metadata = rollout_data.get("metadata")

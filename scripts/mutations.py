@@ -219,7 +219,7 @@ MUTATIONS: list[Mutation] = [
              "per rollout",
         edits=(Edit(
             "april_slime/loss.py",
-            'if len(num_microbatches) != 1 and config.prox_log_probs != "loglinear":',
+            'if len(num_microbatches) != 1 and job.loss.prox_log_probs != "loglinear":',
             "if False:",
         ),),
         tests=("tests/real/training/test_slime_train_step.py",),

@@ -1,6 +1,5 @@
 import json
 import os
-from types import SimpleNamespace
 
 import pytest
 
@@ -166,8 +165,9 @@ class Prompts:
 
 def checkpoints(tmp_path, buffer, prompts=None):
     """The checkpoints of a data source saving to and loading from ``tmp_path / "ckpt"``."""
-    args = SimpleNamespace(save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"), rollout_shuffle=False)
-    return checkpoint.Checkpoints(prompts or Prompts(), buffer, args, buffer_dir=None)
+    folder = str(tmp_path / "ckpt")
+    return checkpoint.Checkpoints(prompts or Prompts(), buffer, save_dir=folder, load_dir=folder, buffer_dir=None,
+                                  rollout_shuffle=False)
 
 
 def test_checkpoint_round_trip(tmp_path):

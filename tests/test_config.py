@@ -6,8 +6,10 @@ import pytest
 import yaml
 
 from april_slime.core.config import AprilConfig, AprilConfigError
-from april_slime.job_checks import check_job
-from april_slime.settings import JobSettings, for_job, settings_table_markdown
+from april_slime.job import for_job, read_settings
+from april_slime.job_checks import check_job, check_rollout_shape
+from april_slime.settings import JobSettings, settings_table_markdown
+from april_slime.slime_args import SlimeArgs
 from april_slime.training import baseline, offpolicy
 from april_slime.training import settings as loss_settings
 from april_slime.training.settings import LossSettings
@@ -23,7 +25,7 @@ def test_defaults_are_valid():
 def test_from_args_reads_prefixed_attributes_and_ignores_unset():
     args = SimpleNamespace(april_policy="april", april_over_sampling_factor=3, april_max_staleness=None,
                            rollout_batch_size=4)
-    config = JobSettings.from_args(args).rollout
+    config = read_settings(args).rollout
     assert config.policy == "april"
     assert config.over_sampling_factor == 3.0 and isinstance(config.over_sampling_factor, float)
     assert config.max_staleness is None
@@ -35,7 +37,7 @@ def test_yaml_strings_are_coerced(tmp_path):
     path.write_text("april_policy: copris\napril_concurrency: '64'\napril_adaptive_concurrency: 'true'\n"
                     "april_is_high: 5\n")
     args = SimpleNamespace(**yaml.safe_load(path.read_text()))
-    job = JobSettings.from_args(args)
+    job = read_settings(args)
     assert job.rollout.concurrency == 64
     assert job.rollout.adaptive_concurrency is True
     assert job.loss.is_high == 5.0
@@ -69,16 +71,16 @@ def test_bad_values_fail_with_one_line_naming_the_key(values, key):
 def test_cross_checks_with_slime_args():
     config = AprilConfig.from_dict({"concurrency": 4})
     with pytest.raises(AprilConfigError, match="april_concurrency"):
-        config.check_against_slime(SimpleNamespace(rollout_batch_size=8, n_samples_per_prompt=8))
-    config.check_against_slime(SimpleNamespace(rollout_batch_size=8, n_samples_per_prompt=4))
+        check_rollout_shape(SlimeArgs(rollout_batch_size=8, n_samples_per_prompt=8), config)
+    check_rollout_shape(SlimeArgs(rollout_batch_size=8, n_samples_per_prompt=4), config)
     with pytest.raises(AprilConfigError, match="april_is_mode"):
         job = JobSettings.from_dict({"is_mode": "decoupled"})
-        check_job(SimpleNamespace(use_rollout_logprobs=True), job.rollout, job.loss)
+        check_job(SlimeArgs(use_rollout_logprobs=True), job.rollout, job.loss)
     # the live-episode cap holds whole groups: below one group nothing could ever open
     capped = AprilConfig.from_dict({"max_live_episodes": 6})
     with pytest.raises(AprilConfigError, match=r"april_max_live_episodes: must be >= n_samples_per_prompt \(8\)"):
-        capped.check_against_slime(SimpleNamespace(rollout_batch_size=8, n_samples_per_prompt=8))
-    capped.check_against_slime(SimpleNamespace(rollout_batch_size=8, n_samples_per_prompt=6))
+        check_rollout_shape(SlimeArgs(rollout_batch_size=8, n_samples_per_prompt=8), capped)
+    check_rollout_shape(SlimeArgs(rollout_batch_size=8, n_samples_per_prompt=6), capped)
 
 
 def test_round_trip_and_table_lists_every_key():
@@ -122,7 +124,7 @@ def _args_from_yaml(tmp_path, text, **slime_args):
 ])
 def test_a_misspelled_or_unprefixed_key_stops_the_job_naming_the_closest(tmp_path, text, key, closest):
     with pytest.raises(AprilConfigError) as err:
-        JobSettings.from_args(_args_from_yaml(tmp_path, text))
+        read_settings(_args_from_yaml(tmp_path, text))
     message = str(err.value)
     assert message.startswith(f"{key}:") and message.endswith(closest) and "\n" not in message
 
@@ -130,30 +132,30 @@ def test_a_misspelled_or_unprefixed_key_stops_the_job_naming_the_closest(tmp_pat
 def test_an_unknown_april_attribute_stops_the_job_also_without_a_yaml():
     # set by a launcher or an extra-args provider rather than the custom YAML
     with pytest.raises(AprilConfigError, match=r"^april_polcy: unknown setting; closest valid name: april_policy$"):
-        JobSettings.from_args(SimpleNamespace(april_polcy="april"))
+        read_settings(SimpleNamespace(april_polcy="april"))
 
 
 def test_slimes_own_args_and_users_own_yaml_keys_pass(tmp_path):
     text = ("april_policy: april\nrollout_temperature: 0.7\nreward_model_url: http://rm\n"
             "my_reward_threshold: 0.5\ntimeout: 30\n")
-    config = JobSettings.from_args(_args_from_yaml(tmp_path, text)).rollout
+    config = read_settings(_args_from_yaml(tmp_path, text)).rollout
     assert config.policy == "april"
 
 
 def test_an_unreadable_custom_yaml_still_checks_april_attributes(tmp_path):
     args = SimpleNamespace(custom_config_path=str(tmp_path / "gone.yaml"), policy="april")
-    assert JobSettings.from_args(args).rollout.policy == "copris"  # cannot know `policy` came from the YAML
+    assert read_settings(args).rollout.policy == "copris"  # cannot know `policy` came from the YAML
     args.april_polcy = "april"
     with pytest.raises(AprilConfigError, match="^april_polcy:"):
-        JobSettings.from_args(args)
+        read_settings(args)
 
 
 # ------------------------------------------------------------------ absurd values and impossible combinations
 def test_an_empty_setting_in_the_yaml_stops_the_job(tmp_path):
     with pytest.raises(AprilConfigError, match=r"^april_policy: must not be empty$"):
-        JobSettings.from_args(_args_from_yaml(tmp_path, "april_policy:\n"))
+        read_settings(_args_from_yaml(tmp_path, "april_policy:\n"))
     # an optional setting left empty is unset, as documented
-    assert JobSettings.from_args(_args_from_yaml(tmp_path, "april_max_staleness:\n")).rollout.max_staleness is None
+    assert read_settings(_args_from_yaml(tmp_path, "april_max_staleness:\n")).rollout.max_staleness is None
 
 
 @pytest.mark.parametrize("values, key", [
@@ -202,7 +204,7 @@ def test_vcpo_settings_imply_vcpos_objective_unless_set():
     off = JobSettings.from_dict({"vcpo_lr_scaling": False}).loss
     assert (off.is_level, off.is_high) == ("token", 2.0)
     # as slime hands them over: the attributes the job set
-    from_args = JobSettings.from_args(SimpleNamespace(april_vcpo_baseline=True)).loss
+    from_args = read_settings(SimpleNamespace(april_vcpo_baseline=True)).loss
     assert (from_args.is_mode, from_args.is_level, from_args.is_high) == ("copris", "sequence", 8.0)
 
 

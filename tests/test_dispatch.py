@@ -242,15 +242,16 @@ async def test_router_mode_reads_loads_from_the_engines_with_the_replies_retract
 
 
 def test_a_job_needing_what_the_router_drops_stops_before_its_first_call():
-    from argparse import Namespace
-
-    from april_slime.rollout import check_router_fields, deployment_hints
+    from april_slime.core.connection import check_router_fields
+    from april_slime.core.replay import ReplaySpec
+    from april_slime.slime_args import SlimeArgs
 
     router = choose("router", ROUTER, [Worker(E1, E1)])
-    replay = Namespace(rollout_temperature=1.0, use_rollout_routing_replay=True)
+    params = SlimeArgs(rollout_temperature=1.0).sampling_params()
+    routed = ReplaySpec(routed_layers=2, routed_topk=2)
     with pytest.raises(AprilConfigError, match="the router drops return_routed_experts"):
-        check_router_fields(router, replay)
-    check_router_fields(choose("direct", ROUTER, [Worker(E1, E1)]), replay)  # direct carries it
-    check_router_fields(router, Namespace(rollout_temperature=1.0))
-    hints = deployment_hints(Namespace(prefill_num_servers=2, router_dp_aware=False, router_policy="cache_aware"))
+        check_router_fields(router, params, routed)
+    check_router_fields(choose("direct", ROUTER, [Worker(E1, E1)]), params, routed)  # direct carries it
+    check_router_fields(router, params, ReplaySpec())
+    hints = SlimeArgs(prefill_num_servers=2, router_dp_aware=False, router_policy="cache_aware").deployment_hints
     assert hints == DeploymentHints(pd_disaggregation=True, dp_aware_router=False, router_policy="cache_aware")

@@ -9,6 +9,7 @@ and loss path with a masked member: ``tests/real/training/test_slime_masked_samp
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from types import SimpleNamespace
@@ -19,7 +20,9 @@ import torch
 from april_slime import rollout
 from april_slime.core.config import MASKING_POST_PROCESS, AprilConfig, AprilConfigError
 from april_slime.core.keys import MASKED_MEMBERS_KEY, OPOB_GROUP_KEY
+from april_slime.job_checks import check_rollout_shape
 from april_slime.masking import post_process_rewards
+from april_slime.slime_args import SlimeArgs
 from april_slime.vcpo import opob_advantages
 from tests.support import agent_functions as af
 from tests.support import slime_standin
@@ -144,15 +147,12 @@ def test_without_group_normalisation_the_rewards_pass_through():
 
 
 def test_slimes_group_normalisation_without_the_post_process_is_refused():
-    slime_args = SimpleNamespace(advantage_estimator="grpo", rewards_normalization=True,
-                                 custom_reward_post_process_path=None)
+    normalising = SlimeArgs(advantage_estimator="grpo", rewards_normalization=True)
     config = AprilConfig(mask_failed_samples=True)
     with pytest.raises(AprilConfigError, match=f"mask_failed_samples: .*{MASKING_POST_PROCESS}"):
-        config.check_against_slime(slime_args)
-    slime_args.custom_reward_post_process_path = MASKING_POST_PROCESS
-    config.check_against_slime(slime_args)
-    AprilConfig().check_against_slime(SimpleNamespace(advantage_estimator="grpo", rewards_normalization=True,
-                                                      custom_reward_post_process_path=None))
+        check_rollout_shape(normalising, config)
+    check_rollout_shape(dataclasses.replace(normalising, custom_reward_post_process_path=MASKING_POST_PROCESS), config)
+    check_rollout_shape(normalising, AprilConfig())
     assert N == 3  # the job tests above rely on groups of three
 
 

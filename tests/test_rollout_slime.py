@@ -17,6 +17,8 @@ from april_slime import rollout
 from april_slime.core.config import AprilConfigError
 from april_slime.core.jsonfile import StateFileError
 from april_slime.core.keys import POLICY_VERSION_KEY, TOKEN_VERSIONS_KEY
+from april_slime.job import describe
+from april_slime.slime_args import SlimeArgs
 from tests.support import slime_standin
 from tests.support.slime_jobs import (
     make_args,
@@ -206,7 +208,7 @@ def test_the_first_step_waits_until_the_router_lists_every_engine_slime_started(
     monkeypatch.setattr(RouterHandler, "handle", registering)
     args = point_at(make_args(tmp_path, prompts, april_policy="copris", april_engine_wait_s=60.0,
                               rollout_num_gpus=4, rollout_num_gpus_per_engine=2), cluster)
-    assert rollout.engines_slime_started(args) == 2
+    assert describe(args).slime.engines_started == 2
     source = rollout.AprilDataSource(args)
     output = rollout.generate_rollout(args, 0, source)
     check_train_output(output, args, version=1)
@@ -223,9 +225,7 @@ def test_the_first_step_waits_until_the_router_lists_every_engine_slime_started(
     (dict(rollout_num_gpus=None, rollout_num_gpus_per_engine=1), None),
 ])
 def test_engines_slime_started_reads_slimes_own_layout(args, expected):
-    from types import SimpleNamespace
-
-    assert rollout.engines_slime_started(SimpleNamespace(**args)) == expected
+    assert SlimeArgs(**args).engines_started == expected
 
 
 def test_group_reward_goes_through_batched_rm(cluster, tmp_path, prompts):

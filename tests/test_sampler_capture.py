@@ -19,6 +19,7 @@ from april_slime.core.replay import ReplaySpec, TokenReplay, float32_values, int
 from april_slime.core.sglang_protocol import EngineReplyError, ask_for_replay, parse_generate_reply
 from april_slime.core.types import Group, Trajectory
 from april_slime.samples import put_replay, replay_spec, take_replay
+from april_slime.slime_args import SlimeArgs
 from tests.support.slime_040_sample import with_040_fields
 
 K = 3
@@ -164,17 +165,17 @@ def args(**kw):
 
 
 def test_the_pinned_sample_gets_no_field_and_the_engine_is_not_asked():
-    assert replay_spec(args()) == ReplaySpec()
-    assert replay_spec(args(rollout_top_p=0.9)) == ReplaySpec(top_p=True)
+    assert replay_spec(SlimeArgs.read(args())) == ReplaySpec()
+    assert replay_spec(SlimeArgs.read(args(rollout_top_p=0.9))) == ReplaySpec(top_p=True)
 
 
 def test_a_040_sample_gets_the_rows_in_slimes_shapes_and_gives_them_back(monkeypatch):
     import torch
 
     sample_cls = with_040_fields(monkeypatch)
-    spec = replay_spec(args())
-    assert spec == TOPK and replay_spec(args(use_score_centering=False)) == ReplaySpec()
-    assert replay_spec(args(rollout_top_p=0.9)) == TOP_P
+    spec = replay_spec(SlimeArgs.read(args()))
+    assert spec == TOPK and replay_spec(SlimeArgs.read(args(use_score_centering=False))) == ReplaySpec()
+    assert replay_spec(SlimeArgs.read(args(rollout_top_p=0.9))) == TOP_P
     t = trajectory()
     step(t, [10, 11], version=1, abort=True)
     step(t, [12], version=2)

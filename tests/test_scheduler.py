@@ -1306,27 +1306,22 @@ async def test_emulator_engine_failure_mid_step(emulator):
 
 # ====================================================================== wiring from slime's rollout
 def test_vocabulary_size_from_the_tokenizer_when_no_model_config():
-    from types import SimpleNamespace
-
-    from april_slime.rollout import _vocab_size
+    from april_slime.model_files import vocab_size
 
     class Tok:
         def __len__(self):
             return 321
 
-    assert _vocab_size(SimpleNamespace(args=SimpleNamespace(hf_checkpoint="/nonexistent"), tokenizer=Tok())) == 321
-    assert _vocab_size(SimpleNamespace(args=SimpleNamespace(hf_checkpoint="/nonexistent"), tokenizer=object())) is None
+    assert vocab_size("/nonexistent", Tok()) == 321
+    assert vocab_size("/nonexistent", object()) is None
 
 
 def test_eos_ids_from_the_tokenizer_and_generation_config(tmp_path):
-    from types import SimpleNamespace
-
-    from april_slime.rollout import _eos_token_ids
+    from april_slime.model_files import eos_token_ids
 
     class Tok:
         eos_token_id = 5
 
-    codec = SimpleNamespace(args=SimpleNamespace(hf_checkpoint=str(tmp_path)), tokenizer=Tok())
     sched = RolloutScheduler(AprilConfig.from_dict({"policy": "sync"}), FakeClient(), PartialBuffer(),
                              rollout_batch_size=1, n_samples_per_prompt=1, sampling_params={},
                              eos_token_id=[5, 7])
@@ -1335,9 +1330,9 @@ def test_eos_ids_from_the_tokenizer_and_generation_config(tmp_path):
     try:
         import transformers  # noqa: F401
     except ImportError:  # the fast tier: the tokenizer's id only
-        assert _eos_token_ids(codec) == [5]
+        assert eos_token_ids(str(tmp_path), Tok()) == [5]
     else:
-        assert _eos_token_ids(codec) == [5, 7]
+        assert eos_token_ids(str(tmp_path), Tok()) == [5, 7]
 
 
 def test_groups_completing_during_the_drain_are_rewarded_and_judged_as_surplus():

@@ -15,6 +15,7 @@ import pytest
 
 from april_slime import slime_compat
 from april_slime.core.config import AprilConfigError
+from april_slime.slime_args import SlimeArgs
 from tests.support import ROOT, child_process_kwargs
 
 # the modules of slime the plugin imports, as slime 0.4.0 lays them out (data source moved)
@@ -42,17 +43,18 @@ PROBE = textwrap.dedent("""
     from april_slime import slime_compat
     from april_slime.core.config import AprilConfigError
     from april_slime.samples import Slime
+    from april_slime.slime_args import SlimeArgs
 
     out = {"version": slime_compat.slime_version(), "layout": slime_compat.layout(),
            "module": slime_compat.data_source_module(),
            "data_source": Slime().RolloutDataSource.__module__, "describe": slime_compat.describe(),
-           "notes": slime_compat.notes(Namespace(flush_cache_interval=0))}
+           "notes": slime_compat.notes(SlimeArgs.read(Namespace(flush_cache_interval=0)))}
     for args in (Namespace(rollout_data_transport="straw"), Namespace(buffer_sort_by_staleness=True)):
         try:
-            slime_compat.check_job(args)
+            slime_compat.check_job(SlimeArgs.read(args))
         except AprilConfigError as e:
             out.setdefault("refusals", []).append(str(e))
-    slime_compat.check_job(Namespace(rollout_data_transport="object-store", buffer_sort_by_staleness=False))
+    slime_compat.check_job(SlimeArgs(rollout_data_transport="object-store", buffer_sort_by_staleness=False))
     print(json.dumps(out))
 """)
 
@@ -122,4 +124,4 @@ def test_pinned_layout_where_real_slime_is_installed():
     assert slime_compat.layout() == "0.3"
     assert slime_compat.data_source_module() == "slime.rollout.data_source"
     assert slime_compat.describe()[0] == "ok"
-    assert slime_compat.notes(Namespace()) == []
+    assert slime_compat.notes(SlimeArgs.read(Namespace())) == []

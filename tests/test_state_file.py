@@ -155,7 +155,7 @@ def test_an_earlier_versions_json_checkpoint_still_loads_and_a_new_save_replaces
         "base64").b64encode(b).decode("ascii")))
     loaded = PartialBuffer()
     prompts = Prompts()
-    assert checkpoint.Checkpoints(prompts, loaded, checkpoints(tmp_path, loaded).args, None).load(0).policy_version == 4
+    assert checkpoints(tmp_path, loaded, prompts).load(0).policy_version == 4
     assert loaded.state_dict() == buf.state_dict() and prompts.sample_offset == 3
     checkpoints(tmp_path, loaded).save(0, policy_version=4)
     assert sorted(p.name for p in folder.iterdir()) == ["april_state_0.bin"]

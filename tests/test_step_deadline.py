@@ -21,7 +21,7 @@ from april_slime.core.engine import EngineClient
 from april_slime.core.episodes import EpisodeRunner
 from april_slime.core.scheduler import RolloutScheduler
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
-from april_slime.settings import JobSettings
+from april_slime.job import read_settings
 from april_workbench.emulator.testing import start_cluster
 from april_workbench.emulator.vclock import run_virtual
 from tests.support.hanging_tool import HangingToolAgent
@@ -190,7 +190,7 @@ def test_a_bad_step_deadline_is_refused_naming_the_key(tmp_path, text, why):
 
     Args.april_step_deadline_s = yaml.safe_load(path.read_text(encoding="utf-8"))["april_step_deadline_s"]
     with pytest.raises(AprilConfigError, match=f"^april_step_deadline_s: .*{why}"):
-        JobSettings.from_args(Args())
+        read_settings(Args())
 
 
 def test_the_step_deadline_defaults_to_an_hour_and_zero_turns_it_off():

@@ -221,6 +221,64 @@ def test_the_workbench_uses_the_plugin_only_through_its_declared_doors():
     assert set(PLUGIN_MODULES) == used, "declared but no longer used: " + ", ".join(sorted(set(PLUGIN_MODULES) - used))
 
 
+# the one module that reads slime's ``args`` (april_slime.slime_args; april_slime.job builds the job from it)
+ARGS_SEAM = "april_slime.slime_args"
+_READS_ALL = {"getattr", "hasattr", "vars", "setattr", "delattr", "dir"}
+
+
+def args_reads(plugin: Path) -> list[str]:
+    """Every place outside the seam that reads slime's ``args``: an attribute of a name ``args``
+    (``args.x``) or of an attribute ``.args`` (``job.args.x``), ``args`` handed to ``getattr`` /
+    ``vars`` and the like, or a class keeping its own ``self.args``. Handing ``args`` on to a function
+    (slime's own, a user's) is not a read."""
+    problems = []
+    for path, root in sources(plugin):
+        module = module_name(path, root)
+        if module == ARGS_SEAM:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Attribute) and _is_args(node.value):
+                problems.append(f"{where}: reads {ast.unparse(node)}")
+            elif (isinstance(node, ast.Attribute) and node.attr == "args" and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                problems.append(f"{where}: holds slime's args as self.args")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _READS_ALL
+                  and node.args and _is_args(node.args[0])):
+                problems.append(f"{where}: reads {ast.unparse(node)}")
+    return problems
+
+
+def _is_args(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "args") or (isinstance(node, ast.Attribute)
+                                                                and node.attr == "args")
+
+
+def test_slime_args_are_read_in_one_module():
+    assert args_reads(PACKAGE) == []
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("def f(args):\n    return args.rollout_batch_size\n", "reads args.rollout_batch_size"),
+    ("def f(args):\n    return getattr(args, 'x', None)\n", "reads getattr(args, 'x', None)"),
+    ("def f(args):\n    return vars(args)\n", "reads vars(args)"),
+    ("def f(job):\n    return job.args.save\n", "reads job.args.save"),
+    ("class A:\n    def __init__(self, args):\n        self.args = args\n", "holds slime's args as self.args"),
+])
+def test_the_args_checker_sees_each_kind_of_read(tmp_path, text, problem):
+    plugin, _ = _tree(tmp_path, {"loss.py": text, "slime_args.py": "def read(args):\n    return args.x\n"})
+    problems = args_reads(plugin)
+    assert len(problems) == 1 and problem in problems[0], problems
+
+
+def test_the_args_checker_lets_handing_args_on_pass(tmp_path):
+    plugin, _ = _tree(tmp_path, {"slime_args.py": "def read(args):\n    return vars(args)\n", "loss.py": (
+        "def f(args, job, slime):\n    slime.async_rm(args, 1)\n    slime.log(job.args, {})\n"
+        "    return job.slime.save\n")})
+    assert args_reads(plugin) == []
+
+
 # ------------------------------------------------------------------------------------ the checker
 def _tree(tmp_path: Path, files: dict[str, str]) -> tuple[Path, Path]:
     """A plugin and a workbench in tmp_path; a file named workbench/... goes to the workbench."""

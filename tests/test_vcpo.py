@@ -600,28 +600,29 @@ def test_launcher_vcpo_configuration_runs_the_baseline(mode, tmp_path):
                            micro_batch_size=int(flags["micro_batch_size"]), use_dynamic_batch_size=False,
                            n_samples_per_prompt=int(flags["n_samples_per_prompt"]),
                            global_batch_size=int(flags["global_batch_size"]))
-    from april_slime.settings import JobSettings
+    from april_slime.job import read_settings
+    from april_slime.slime_args import SlimeArgs
 
-    config = JobSettings.from_args(args).loss
+    config = read_settings(args).loss
     assert config.vcpo_baseline and config.vcpo_lr_scaling and config.vcpo_baseline_scope == "group"
     assert config.is_high == 8.0 and config.vcpo_rho_on == 1.0
-    check_vcpo(args, config, dp_size=4)  # nothing refused
-    assert groups_across_ranks(args, 4)  # each group lies two samples on each rank
+    check_vcpo(SlimeArgs.read(args), config, dp_size=4)  # nothing refused
+    assert groups_across_ranks(SlimeArgs.read(args), 4)  # each group lies two samples on each rank
     args.use_dynamic_batch_size = True
     with pytest.raises(AprilConfigError, match="group with --use-dynamic-batch-size"):
-        check_vcpo(args, config, dp_size=4)
+        check_vcpo(SlimeArgs.read(args), config, dp_size=4)
     args.use_dynamic_batch_size, args.micro_batch_size = False, 4
     with pytest.raises(AprilConfigError, match="--micro-batch-size 4 on 4 data-parallel ranks .* multiple of 16"):
-        check_vcpo(args, config, dp_size=4)
-    check_vcpo(args, config, dp_size=1)  # a divisor is enough on one rank
+        check_vcpo(SlimeArgs.read(args), config, dp_size=4)
+    check_vcpo(SlimeArgs.read(args), config, dp_size=1)  # a divisor is enough on one rank
     args.micro_batch_size = 8  # a whole group per micro-batch: on one rank
-    check_vcpo(args, config, dp_size=4)
-    assert not groups_across_ranks(args, 4)
+    check_vcpo(SlimeArgs.read(args), config, dp_size=4)
+    assert not groups_across_ranks(SlimeArgs.read(args), 4)
     args.micro_batch_size = 3
     with pytest.raises(AprilConfigError, match="--micro-batch-size 3 .* must divide --n-samples-per-prompt 8"):
-        check_vcpo(args, config, dp_size=1)
+        check_vcpo(SlimeArgs.read(args), config, dp_size=1)
     args.micro_batch_size, args.balance_data = 2, True
     with pytest.raises(AprilConfigError, match="--balance-data"):
-        check_vcpo(args, config, dp_size=4)
+        check_vcpo(SlimeArgs.read(args), config, dp_size=4)
     plain = flag_values(launcher_arguments(tmp_path, MODE=mode))
     assert plain["use_dynamic_batch_size"] is True and "micro_batch_size" not in plain

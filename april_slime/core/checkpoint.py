@@ -153,13 +153,13 @@ def prompt_state_as(prompts: Any, state: dict[str, Any]) -> Iterator[None]:
             setattr(prompts, key, value)
 
 
-def restore_prompt_state(prompts: Any, state: dict[str, Any], args: Any) -> None:
+def restore_prompt_state(prompts: Any, state: dict[str, Any], shuffle: bool) -> None:
     """What slime's ``RolloutDataSource.load`` does with its file, from our file's copy."""
     for key in PROMPT_STATE_KEYS:
         if key in state:
             setattr(prompts, key, state[key])
     dataset = getattr(prompts, "dataset", None)
-    if getattr(args, "rollout_shuffle", False) and dataset is not None:
+    if shuffle and dataset is not None:
         dataset.shuffle(prompts.epoch_id)
 
 
@@ -281,14 +281,18 @@ class Checkpoints:
 
     ``prompts`` is slime's ``RolloutDataSource`` (its position attributes, ``save`` and ``load``),
     ``buffer`` the data source's partial buffer. The folders come from ``buffer_dir`` (the
-    ``april_buffer_dir`` setting) or else slime's ``args.save`` / ``args.load``, read at each call.
+    ``april_buffer_dir`` setting) or else slime's ``--save`` / ``--load`` (``save_dir`` / ``load_dir``),
+    each with ``rollout/`` appended; ``rollout_shuffle`` is slime's, which the prompt position replays.
     """
 
-    def __init__(self, prompts: Any, buffer: PartialBuffer, args: Any, buffer_dir: str | None) -> None:
+    def __init__(self, prompts: Any, buffer: PartialBuffer, *, save_dir: str | None, load_dir: str | None,
+                 buffer_dir: str | None, rollout_shuffle: bool) -> None:
         self.prompts = prompts
         self.buffer = buffer
-        self.args = args
+        self.save_dir = save_dir
+        self.load_dir = load_dir
         self.buffer_dir = buffer_dir
+        self.rollout_shuffle = rollout_shuffle
         # rollout id -> state at the end of that rollout (the two latest)
         self._snapshots: dict[int, Snapshot] = {}
 
@@ -300,7 +304,7 @@ class Checkpoints:
     def state_path(self, rollout_id: int, *, for_load: bool = False) -> Path | None:
         """Where checkpoint ``rollout_id`` is saved; for a load, the file that exists there (an
         earlier version's JSON included), else the binary file's name."""
-        folder = self._state_dir(self.args.load if for_load else self.args.save)
+        folder = self._state_dir(self.load_dir if for_load else self.save_dir)
         if folder is None:
             return None
         return (for_load and existing_state_file(folder, rollout_id)) or state_path_in(folder, rollout_id)
@@ -329,8 +333,8 @@ class Checkpoints:
         at_save_point("begin")
         with prompt_state_as(self.prompts, snapshot.prompt_state):
             self.prompts.save(rollout_id)
-        if self.args.save:
-            sync_slime_state(Path(self.args.save) / "rollout", rollout_id)
+        if self.save_dir:
+            sync_slime_state(Path(self.save_dir) / "rollout", rollout_id)
         at_save_point("prompt_state_written")
         blocks, size = snapshot.blocks()
         write_blocks_atomic(path, blocks, size, at_point=at_save_point)
@@ -357,7 +361,7 @@ class Checkpoints:
             return None
         remove_stale_tmp_files(path.parent)
         if not path.exists():
-            slime_folder = Path(self.args.load) / "rollout" if self.args.load else None
+            slime_folder = Path(self.load_dir) / "rollout" if self.load_dir else None
             raise missing_state_error(path, rollout_id, slime_folder)
         state = read_state(path, rollout_id)
         try:
@@ -365,7 +369,7 @@ class Checkpoints:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise StateFileError(f"{path}: not a valid buffer state ({type(e).__name__}: {e})") from e
         if state["format"] >= 2:
-            restore_prompt_state(self.prompts, state["prompt_state"], self.args)
+            restore_prompt_state(self.prompts, state["prompt_state"], self.rollout_shuffle)
         else:  # written before the prompt position moved into this file
             self.prompts.load(rollout_id)
         self._snapshots = {}

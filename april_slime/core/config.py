@@ -26,7 +26,6 @@ STALE_ACTIONS = ("restart", "drop")
 RESUME_PRIORITIES = ("verl", "fifo", "stalest")
 # slime's estimators whose rewards it normalises per group (--rewards-normalization), and the
 # function that does it without the masked samples (mask_failed_samples)
-GROUP_NORMALISED_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
 MASKING_POST_PROCESS = "april_slime.masking.post_process_rewards"
 
 # Sane upper bounds of settings whose absurd values would otherwise pass (documented in the help).
@@ -232,31 +231,11 @@ class AprilConfig:
                                      f"[min_concurrency, max_concurrency] = [{self.min_concurrency}, {top}], "
                                      f"got {self.concurrency}")
 
-    def check_against_slime(self, args: Any) -> None:
-        """Cross-checks with slime's own arguments, run once at job start."""
-        _check_against_slime(self, args)
-
     def resolved_concurrency(self, rollout_batch_size: int, n_samples_per_prompt: int) -> int:
         return self.concurrency or rollout_batch_size * n_samples_per_prompt
 
     def resolved_refill_batch(self, n_samples_per_prompt: int) -> int:
         return self.refill_batch or n_samples_per_prompt
-
-
-def _check_against_slime(c: AprilConfig, args: Any) -> None:
-    _check_masking(c, args)
-    batch = getattr(args, "rollout_batch_size", None)
-    n = getattr(args, "n_samples_per_prompt", None)
-    if batch is not None and batch < 1:
-        raise AprilConfigError(f"rollout_batch_size: must be >= 1, got {batch}")
-    if n is not None and n < 1:
-        raise AprilConfigError(f"n_samples_per_prompt: must be >= 1, got {n}")
-    if c.policy == "copris" and c.concurrency is not None and n is not None and c.concurrency < n:
-        _fail("concurrency", f"must be >= n_samples_per_prompt ({n}) so one whole group can be in "
-                             f"flight, got {c.concurrency}")
-    if c.max_live_episodes is not None and n is not None and c.max_live_episodes < n:
-        _fail("max_live_episodes", f"must be >= n_samples_per_prompt ({n}) so one whole group can be "
-                                   f"alive, got {c.max_live_episodes}")
 
 
 def _check_engine_calls(c: AprilConfig) -> None:
@@ -286,15 +265,6 @@ def _check_episodes(c: AprilConfig) -> None:
     if c.episode_tool_timeout_s is not None and not (
             math.isfinite(c.episode_tool_timeout_s) and c.episode_tool_timeout_s > 0):
         _fail("episode_tool_timeout_s", f"must be a finite number > 0 or unset, got {c.episode_tool_timeout_s}")
-
-
-def _check_masking(c: AprilConfig, args: Any) -> None:
-    """slime's own group normalisation counts every sample of a group, a masked one included."""
-    normalises = (getattr(args, "advantage_estimator", None) in GROUP_NORMALISED_ESTIMATORS
-                  and getattr(args, "rewards_normalization", False))
-    if c.mask_failed_samples and normalises and getattr(args, "custom_reward_post_process_path", None) is None:
-        _fail("mask_failed_samples", "slime's group reward normalisation would count the masked samples; set "
-                                     f"--custom-reward-post-process-path {MASKING_POST_PROCESS}")
 
 
 def _check_staleness(c: AprilConfig) -> None:

@@ -6,6 +6,8 @@ before it is kept (``EngineReplyError`` names the field), as every other part of
 
 from __future__ import annotations
 
+import contextlib
+
 from april_slime.core.replay import (
     INT32,
     ReplaySpec,
@@ -16,7 +18,12 @@ from april_slime.core.replay import (
     int32_bytes,
     int32_values,
 )
-from april_slime.core.sglang_values import LOGPROB_TOLERANCE, EngineReplyError, split_logprob_triples
+from april_slime.core.sglang_values import (
+    LOGPROB_TOLERANCE,
+    EngineReplyError,
+    ReplayReplyError,
+    split_logprob_triples,
+)
 
 TOP_P_ID_KEYS = ("top_p_token_ids", "top_p_kept_token_ids")  # slime reads either name
 TOP_P_OFFSET_KEYS = ("top_p_token_offsets", "top_p_kept_token_offsets")
@@ -48,18 +55,33 @@ def parse_replay(meta: dict, where: str, spec: ReplaySpec, *, input_len: int, ou
         return None
     seg = SegmentReplay(routed_start=routed_start, routed_width=spec.routed_width)
     if spec.routed:
-        seg.routed = parse_routed_experts(meta, where, spec, input_len=input_len, output_len=output_len,
-                                          start=routed_start)
+        with _replay_part("routed_experts"):
+            seg.routed = parse_routed_experts(meta, where, spec, input_len=input_len, output_len=output_len,
+                                              start=routed_start)
     if spec.top_p:
-        seg.top_p_ids, seg.top_p_counts = parse_top_p_token_ids(meta, where, output_len=output_len,
-                                                                vocab_size=vocab_size)
+        with _replay_part("top_p_ids"):
+            seg.top_p_ids, seg.top_p_counts = parse_top_p_token_ids(meta, where, output_len=output_len,
+                                                                    vocab_size=vocab_size)
         if spec.top_p_log_probs:
-            seg.top_p_log_probs = _log_probs(meta, "top_p_log_probs", where, len(seg.top_p_ids) // INT32)
+            with _replay_part("top_p_log_probs"):
+                seg.top_p_log_probs = _log_probs(meta, "top_p_log_probs", where, len(seg.top_p_ids) // INT32)
     if spec.topk:
         seg.topk = spec.topk
-        seg.topk_ids, seg.topk_log_probs = parse_sampler_topk(meta, where, k=spec.topk, output_len=output_len,
-                                                              vocab_size=vocab_size)
+        with _replay_part("sampler_topk"):
+            seg.topk_ids, seg.topk_log_probs = parse_sampler_topk(meta, where, k=spec.topk, output_len=output_len,
+                                                                  vocab_size=vocab_size)
     return seg
+
+
+@contextlib.contextmanager
+def _replay_part(part: str):
+    """A reply error raised while reading ``part`` of the replay data says which part it was."""
+    try:
+        yield
+    except ReplayReplyError:
+        raise
+    except EngineReplyError as e:
+        raise ReplayReplyError(str(e), part) from None
 
 
 def _log_probs(meta: dict, key: str, where: str, count: int) -> bytes:

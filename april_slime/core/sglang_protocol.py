@@ -32,6 +32,7 @@ from april_slime.core.sglang_values import (
     EngineError,
     EngineReplyError,
     EngineUnavailable,
+    ReplayReplyError,
     RequestRejected,
     check_token_ids,
     parse_weight_version,
@@ -41,8 +42,8 @@ from april_slime.core.sglang_values import (
 from april_slime.core.versions import VersionRuns
 
 # what the rest of the core names from here: the errors and value checks of sglang_values
-__all__ = ["LOGPROB_TOLERANCE", "EngineError", "EngineReplyError", "EngineUnavailable", "RequestRejected",
-           "check_token_ids", "parse_weight_version"]
+__all__ = ["LOGPROB_TOLERANCE", "EngineError", "EngineReplyError", "EngineUnavailable", "ReplayReplyError",
+           "RequestRejected", "check_token_ids", "parse_weight_version"]
 
 FINISH_REASONS = ("stop", "length", "abort")
 

@@ -36,6 +36,15 @@ class EngineReplyError(EngineError):
     """The engine answered, but the reply breaks the protocol (missing keys, counts, NaN)."""
 
 
+class ReplayReplyError(EngineReplyError):
+    """A reply lacks, or breaks, what training replays; ``part`` names which: ``routed_experts``,
+    ``top_p_ids``, ``top_p_log_probs`` or ``sampler_topk`` (``core.replay_wire``)."""
+
+    def __init__(self, message: str, part: str) -> None:
+        super().__init__(message)
+        self.part = part
+
+
 class RequestRejected(EngineError):
     """The request itself is wrong: the engine answered HTTP 4xx (``status``), or the client
     refused to send it (``status`` None; e.g. a token id outside the vocabulary). Resending the

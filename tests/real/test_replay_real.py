@@ -97,7 +97,9 @@ def token_versions(sample) -> list[int]:
 
 def test_routing_replay_holds_the_router_choice_of_each_tokens_version(moe_stack, hf_moe, tmp_path):
     v0 = moe_stack.weight_version()
-    weights_of = {v0: "A", v0 + 1: "B", v0 + 2: "A"}
+    # weights A and B in turn; at least three versions, and more (up to six) until a partial sample
+    # resumed under other weights has been seen: which groups finish first depends on the machine
+    weights_of = {v0 + k: "AB"[k % 2] for k in range(6)}
     m = SlimeRolloutManager(plugin_args(moe_stack, tmp_path, settings={"april_policy": "copris",
                                                                        "april_concurrency": 16},
                                         batch=4, n=2, max_len=160, extra_argv=["--use-rollout-routing-replay"],
@@ -128,6 +130,8 @@ def test_routing_replay_holds_the_router_choice_of_each_tokens_version(moe_stack
                                 f"sample {s.index} position {i} (version {v}, weights {weights_of[v]}): "
                                 f"replayed experts {got[i].tolist()}, transformers' router {want[i].tolist()}")
                             near_ties += 1
+            if step >= 2 and mixed:
+                break
     finally:
         rollout.shutdown()
         moe_stack.wait_idle()

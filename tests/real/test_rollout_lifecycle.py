@@ -183,7 +183,7 @@ def response_of(sample) -> tuple[list[int], list[float]]:
 
 def buffered_partials(data_source) -> dict[int, tuple[list[int], list[float]]]:
     """Buffered samples by index, (response ids, log-probs), for slime's buffer or the plugin's."""
-    if hasattr(data_source, "_codec"):  # the plugin's AprilDataSource
+    if hasattr(data_source, "codec"):  # the plugin's AprilDataSource
         return {i: (ids, lps) for i, (ids, lps, _) in partials(data_source).items()}
     return {s.index: response_of(s) for group in data_source.buffer for s in group}
 

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import copy
 import statistics
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from april_slime.core.config import AprilConfig
+from april_slime.core.replay import ReplaySpec
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_slime.masking import post_process_rewards
 from april_slime.samples import SampleCodec, Slime, plain
+from april_slime.slime_args import SlimeArgs
 from tests.support.training import slime_cpu as sc
 
 pytestmark = pytest.mark.real
@@ -35,9 +36,7 @@ def world():
 
 def masked_sample(like):
     """The plugin's sample of a member masked out of ``like``'s group (its prompt, version 4)."""
-    codec_args = SimpleNamespace(n_samples_per_prompt=N, rollout_max_response_len=8, rollout_seed=1, rollout_top_p=1.0,
-                                 use_rollout_routing_replay=False, reward_key=None,
-                                 mask_offpolicy_in_partial_rollout=False)
+    codec_args = SlimeArgs(n_samples_per_prompt=N, rollout_max_response_len=8, rollout_seed=1)
     prompt_ids = like.tokens[:len(like.tokens) - like.response_length]
     prompt = like.to_dict()
     prompt.update(tokens=[], response="", response_length=0, loss_mask=None, rollout_log_probs=None, reward=None)
@@ -46,7 +45,7 @@ def masked_sample(like):
     group = Group(uid=str(like.group_index), prompt_ids=prompt_ids, trajectories=[t],
                   payload={"prompt_sample": plain(prompt), "group_index": like.group_index,
                            "indices": list(range(N))})
-    return SampleCodec(Slime(), codec_args, AprilConfig()).sample(group, t, current_version=4)
+    return SampleCodec(Slime(), AprilConfig(), codec_args, ReplaySpec()).sample(group, t, current_version=4)
 
 
 def batch(seed=0):

@@ -247,8 +247,8 @@ def checkpoint_cost(tokens: int, *, routed: tuple[int, int] | None, folder: Path
     response_tokens = sum(t.response_length for g in buffer.groups() for t in g.trajectories)
     gc_pause = _timed(gc.collect, 3)
 
-    args = SimpleNamespace(save=str(folder), load=str(folder), rollout_shuffle=False)
-    checkpoints = Checkpoints(_fresh_prompts(), buffer, args, buffer_dir=None)
+    where = dict(save_dir=str(folder), load_dir=str(folder), buffer_dir=None, rollout_shuffle=False)
+    checkpoints = Checkpoints(_fresh_prompts(), buffer, **where)
     snapshot_s = _timed(lambda: checkpoints.snapshot(0, 1), 3)
     # every save a new checkpoint of the snapshot its rollout took, as in a job (rewriting one file
     # would add freeing the old one)
@@ -264,7 +264,7 @@ def checkpoint_cost(tokens: int, *, routed: tuple[int, int] | None, folder: Path
     def load() -> None:
         loaded_box.clear()
         fresh = PartialBuffer()
-        Checkpoints(_fresh_prompts(), fresh, args, buffer_dir=None).load(repeat)
+        Checkpoints(_fresh_prompts(), fresh, **where).load(repeat)
         loaded_box.append(fresh)
 
     load_s = _timed(load, repeat)
