@@ -432,7 +432,7 @@ class _Step:
             return
         if error is None:
             error = self.ctx.work.absorb(t, result, self.draining)
-            self.groups.tokens_changed(t.group_uid)
+            self.groups.tokens_changed(t.group_uid, t)
         if error is None:
             self.ctx.counters.answered_call_s += call.running_s(self.ctx.loop.time())
             self.s.health.readmit(call.engine_url)
