@@ -348,7 +348,9 @@ class _Step:
             if timeout is None:
                 event = await self.ctx.events.get()
             else:
-                event = await asyncio.wait_for(self.ctx.events.get(), max(timeout, 0.0))
+                # a deadline on this task itself: wait_for would wrap every wait in a task of its own
+                async with asyncio.timeout(max(timeout, 0.0)):
+                    event = await self.ctx.events.get()
         except TimeoutError:
             return False
         self._handle(event)
