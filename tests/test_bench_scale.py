@@ -41,6 +41,18 @@ def test_the_command_writes_its_json(tmp_path, capsys):
     assert "plugin ms / call" in capsys.readouterr().out
 
 
+def test_the_command_measures_only_the_parts_asked_for(tmp_path, capsys):
+    out = tmp_path / "scale.json"
+    assert scale.main(["--quick", "--n-prime", "64", "--bounds", "none", "--parts", "scheduler",
+                       "--json", str(out), "--dir", str(tmp_path)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["bound"] for r in result["scheduler"]] == [None] and result["checkpoint"] == []
+    [row] = result["scheduler"]
+    assert sum(s["generated_tokens"] for s in row["steps"]) > 0 and row["plugin_ms_per_1k_tokens"] > 0
+    assert scale.main(["--quick", "--parts", "scheduler,ckpt"]) == 2
+    assert "ckpt is not one of scheduler, checkpoint" in capsys.readouterr().err
+
+
 def test_the_docs_show_the_committed_run():
     from pathlib import Path
 

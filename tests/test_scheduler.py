@@ -13,6 +13,7 @@ import pytest
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.config import AprilConfig
 from april_slime.core.engine import EngineClient
+from april_slime.core.groups import StepGroups
 from april_slime.core.pacing import StalenessPacing
 from april_slime.core.scheduler import PromptsExhausted, RolloutScheduler, RolloutStepError
 from april_slime.core.sglang_protocol import EngineLoad, EngineUnavailable, GenerateResult, RequestRejected
@@ -480,6 +481,42 @@ def test_pacing_work_per_call_does_not_grow_with_the_step(monkeypatch):
 
     small, large = per_call(16), per_call(256)
     assert large <= 1.3 * small and large < 8, (small, large)
+
+
+def test_a_reply_reads_the_versions_of_its_own_member_only(monkeypatch):
+    """What a reply costs the pacing, counted in members whose versions it reads: one, the member
+    the reply went to (``StalenessPacing.tokens_added``), whatever the group size; reading the
+    group's slack afresh read all of them (8 here)."""
+    monkeypatch.setattr(StalenessPacing, "cross_check", False)  # it recomputes on purpose
+    counts = collections.Counter()
+    oldest, changed = Trajectory.oldest_version, StepGroups.tokens_changed
+    inside = [False]
+
+    def counting_oldest(self):
+        counts["reads"] += inside[0]
+        return oldest(self)
+
+    def counting_changed(self, uid, item=None):
+        counts["replies"] += 1
+        inside[0] = True
+        try:
+            return changed(self, uid, item)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(Trajectory, "oldest_version", counting_oldest)
+    monkeypatch.setattr(StepGroups, "tokens_changed", counting_changed)
+
+    async def main():
+        sched, client, _ = make("copris", client=long_tail_client(), batch=16, n=8, concurrency=64,
+                                max_staleness=2)
+        prompts = Prompts(8, max_new_tokens=60)
+        for step in range(3):
+            client.version = step
+            await sched.run_step(prompts, current_version=step)
+
+    run_virtual(main())
+    assert counts["replies"] > 100 and 0 < counts["reads"] <= counts["replies"], counts
 
 
 @pytest.mark.parametrize("policy,bound", [("copris", 1), ("april", 0)])

@@ -42,7 +42,7 @@ class CallItem(Protocol):
     sampling_seed: int
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     item: CallItem
     engine_url: str

@@ -8,9 +8,10 @@ same ``request`` coroutine (``transport.py``). The client owns:
   ``/get_weight_version`` or ``/model_info``, the router's ``/workers``), each reply validated by
   ``sglang_protocol.py`` before it is returned, and every token id checked before it is sent,
 * retries with exponential backoff on failures that are safe to retry, and per-engine error
-  counters (``stats``) for metrics;
+  counters (``stats``) for metrics, through ``retries.call_with_retries``;
 * where each call goes, as its ``Dispatch`` (``dispatch.py``) says: straight to the engines, or
-  generates through the router with aborts fanned out to the engines behind it.
+  generates through the router with aborts fanned out to the engines behind it; ``from_router``
+  takes the engines from the router's list (``discovery.py``).
 
 It keeps no per-request state: which rid runs where, and which engine is healthy, is the
 scheduler's business.
@@ -32,17 +33,17 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Any
 
-from april_slime.core.dispatch import DeploymentHints, Dispatch, choose, parse_workers, router_dropped_fields
+from april_slime.core.discovery import ANY_ENGINE, EngineWait, discover
+from april_slime.core.dispatch import DeploymentHints, Dispatch, router_dropped_fields
 from april_slime.core.replay import NO_REPLAY, ReplaySpec
+from april_slime.core.retries import ABORT_TIMEOUT_S, CONTROL_TIMEOUT_S, EngineStats, call_with_retries, fan_out
 from april_slime.core.sglang_protocol import (
     EngineError,
     EngineLoad,
     EngineReplyError,
-    EngineUnavailable,
     GenerateResult,
     RequestRejected,
     generate_request,
@@ -55,221 +56,7 @@ from april_slime.core.transport import HttpTransport, Transport, TransportHTTPEr
 
 logger = logging.getLogger(__name__)
 
-# Control calls (abort, loads, weight version, worker list) answer at once on a healthy engine; a
-# generate may legitimately run for an hour. They get their own, much shorter, per-call timeout.
-CONTROL_TIMEOUT_S = 30.0
-# An abort is best effort (the request's own reply or deadline settles it): a hung abort must not
-# hold anything up for long.
-ABORT_TIMEOUT_S = 5.0
-
-
-@dataclass
-class EngineStats:
-    """Cumulative counters of one engine's calls (never reset), read by the metrics code."""
-
-    calls: int = 0
-    retries: int = 0
-    timeouts: int = 0
-    connection_errors: int = 0
-    server_errors: int = 0  # HTTP 5xx
-    client_errors: int = 0  # HTTP 4xx (never retried)
-    reply_errors: int = 0  # malformed replies
-    failed_calls: int = 0  # calls that raised after all retries
-    aborts_after_timeout: int = 0
-    failed_aborts_after_timeout: int = 0
-    retractions_in_replies: int = 0  # sum of meta_info.num_retractions of generate replies
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-async def _call_with_retries(
-    transport: Transport,
-    url: str,
-    method: str,
-    path: str,
-    payload: dict | None,
-    *,
-    timeout_s: float,
-    max_retries: int,
-    retry_backoff_s: float,
-    stats: EngineStats,
-    before_retry_after_timeout: Callable[[], Awaitable[None]] | None = None,
-) -> Any:
-    """One logical call with up to ``max_retries`` retries after the first attempt.
-
-    Retried: connection errors, HTTP 5xx, timeouts. Never retried: HTTP 4xx (the request itself is
-    wrong, repeating it cannot help) and non-JSON 2xx bodies. The backoff is deterministic
-    (``retry_backoff_s * 2**k``) so that runs under the emulator's virtual clock are reproducible.
-    """
-    stats.calls += 1
-    last_error = "no attempt made"
-    clock = asyncio.get_running_loop().time
-    held_s = 0.0  # the engine held the attempts this long (EngineError.engine_s)
-    for attempt in range(max_retries + 1):
-        if attempt > 0:
-            stats.retries += 1
-            await asyncio.sleep(retry_backoff_s * 2 ** (attempt - 1))
-        sent = clock()
-        try:
-            # The client enforces the deadline itself, so in-process transports need not; it reads
-            # the loop's clock, which keeps timeouts meaningful under a virtual-time loop.
-            async with asyncio.timeout(timeout_s):
-                return await transport.request(method, url, path, payload, timeout_s)
-        except TransportHTTPError as exc:
-            held_s += clock() - sent
-            if 400 <= exc.status < 500:
-                stats.client_errors += 1
-                stats.failed_calls += 1
-                raise _held(RequestRejected(
-                    f"engine {url} rejected {method} {path} with HTTP {exc.status}: {exc.body}",
-                    exc.status,
-                ), held_s) from exc
-            stats.server_errors += 1
-            last_error = f"HTTP {exc.status}: {exc.body}"
-        except TimeoutError:
-            # Must come before OSError: TimeoutError is a subclass of OSError.
-            held_s += clock() - sent
-            stats.timeouts += 1
-            last_error = f"no reply within {timeout_s:g} s"
-            if before_retry_after_timeout is not None and attempt < max_retries:
-                await before_retry_after_timeout()
-        except (ConnectionError, OSError) as exc:
-            held_s += clock() - sent
-            stats.connection_errors += 1
-            last_error = f"{type(exc).__name__}: {exc}"
-        except ValueError as exc:
-            held_s += clock() - sent
-            stats.reply_errors += 1
-            stats.failed_calls += 1
-            raise _held(EngineReplyError(f"engine {url} {method} {path}: {exc}"), held_s) from exc
-        logger.warning(
-            "engine %s %s %s failed (attempt %d of %d): %s",
-            url, method, path, attempt + 1, max_retries + 1, last_error,
-        )
-    stats.failed_calls += 1
-    raise _held(EngineUnavailable(
-        f"engine {url} {method} {path} failed after {max_retries + 1} attempts; "
-        f"last error: {last_error}"
-    ), held_s)
-
-
-def _held(error: EngineError, held_s: float) -> EngineError:
-    error.engine_s = held_s
-    return error
-
-
-@dataclass(frozen=True)
-class EngineWait:
-    """What ``from_router`` waits for before it takes the router's list of engines.
-
-    slime registers each engine it starts with ``POST {router}/workers`` and carries on at any 2xx;
-    sglang-router 0.3 answers ``202 Worker addition queued`` and lists the engine only after its own
-    health check, so a list read just after start-up can be short, or empty. The client therefore
-    reads ``/workers`` every ``poll_s`` until it lists ``expected`` engines (the number the launcher
-    started), or, where that number is unknown, until a non-empty list has read the same
-    ``stable_reads`` times in a row; past ``deadline_s`` it fails, saying what it waited for."""
-
-    expected: int | None = None
-    deadline_s: float = 300.0
-    poll_s: float = 0.5
-    stable_reads: int = 1
-
-    def __post_init__(self) -> None:
-        if self.expected is not None and self.expected < 1:
-            raise ValueError(f"expected must be >= 1 or None, got {self.expected}")
-        if not (self.deadline_s >= 0 and self.poll_s > 0 and self.stable_reads >= 1):
-            raise ValueError(f"bad engine wait {self}")
-
-    def describe(self) -> str:
-        if self.expected is not None:
-            return f"the {self.expected} engine(s) the launcher started"
-        if self.stable_reads > 1:
-            return f"a non-empty list of engines that reads the same {self.stable_reads} times in a row"
-        return "at least one engine"
-
-    def satisfied(self, engines: list[str], same_reads: int) -> bool:
-        if not engines:
-            return False
-        if self.expected is not None:
-            return len(engines) >= self.expected
-        return same_reads >= self.stable_reads
-
-
-async def _discover(router_url: str, transport: Transport, dispatch: str, hints: DeploymentHints | None,
-                    wait: EngineWait, kw: dict) -> Dispatch:
-    """The router's workers, once they are what ``wait`` asks for, and the dispatch chosen for them;
-    a URL without ``/workers`` that answers as an SGLang engine is the job's only engine (see
-    ``EngineClient.from_router``)."""
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    previous: list[str] | None = None
-    same_reads = reads = 0
-    while True:
-        reads += 1
-        try:
-            reply = await _call_with_retries(
-                transport, router_url, "GET", "/workers", None,
-                timeout_s=min(kw.get("timeout_s", 3600.0), CONTROL_TIMEOUT_S), max_retries=kw.get("max_retries", 3),
-                retry_backoff_s=kw.get("retry_backoff_s", 1.0), stats=EngineStats(),
-            )
-        except RequestRejected as exc:
-            if exc.status != 404:
-                raise
-            return await _bare_engine(router_url, transport, kw)
-        workers = parse_workers(reply, router_url)
-        engines = sorted({w.url for w in workers})  # a DP-aware router lists an engine once per rank
-        same_reads = same_reads + 1 if engines == previous else 1
-        previous = engines
-        waited = loop.time() - started
-        if wait.satisfied(engines, same_reads):
-            if reads > 1:
-                logger.info("router %s lists %d engine(s) after %.1f s: %s", router_url, len(engines), waited, engines)
-            return choose(dispatch, router_url, workers, hints)
-        if waited >= wait.deadline_s:
-            listed = f"lists {len(engines)} engine(s) {engines}" if engines else "lists no engines"
-            raise EngineError(
-                f"router {router_url} {listed} after {waited:.0f} s of waiting for {wait.describe()}; an "
-                "engine is registered with POST /workers, and sglang-router lists it only once its own "
-                "health check passed: see the router's log for an engine that failed it "
-                "(april_engine_wait_s sets how long to wait)"
-            )
-        await asyncio.sleep(min(wait.poll_s, max(wait.deadline_s - waited, 0.0)))
-
-
-async def _bare_engine(router_url: str, transport: Transport, kw: dict) -> Dispatch:
-    """``router_url`` has no ``/workers``: it is used alone if it answers as an SGLang engine."""
-    probe = EngineClient([router_url], transport=transport, **kw)
-    try:
-        await probe.weight_version(router_url)
-    except EngineError as exc:
-        raise EngineError(
-            f"{router_url} is not a router: GET /workers answered HTTP 404, and it does not answer as "
-            f"an SGLang engine either ({exc}); a router URL is expected (sglang-router, slime's "
-            "--sglang-router-ip/--sglang-router-port)"
-        ) from exc
-    logger.warning(
-        "%s has no /workers (HTTP 404): a router URL is expected; it answers as an SGLang "
-        "engine, so it is used as the only rollout engine", router_url,
-    )
-    return Dispatch.direct([router_url], "a single engine, no router")
-
-
-async def _fan_out(calls: list[Awaitable[None]], what: str) -> None:
-    """Run ``calls`` (one per engine) at once; one success is enough, all failing raises the first
-    error (an abort through the router: a worker without the rid does nothing)."""
-    if len(calls) == 1:  # direct dispatch: the call itself, with no task around it
-        await calls[0]
-        return
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    for error in errors:
-        if not isinstance(error, Exception):
-            raise error
-    if errors and len(errors) == len(results):
-        raise errors[0]
-    for error in errors:
-        logger.warning("%s: one engine failed: %s", what, error)
+__all__ = ["EngineClient", "EngineWait"]  # EngineWait: what from_router waits for (discovery.py)
 
 
 class EngineClient:
@@ -319,10 +106,13 @@ class EngineClient:
         # a restored job whose engines restarted their count continues the saved numbering with it
         self.version_offset = version_offset
         self.stats: dict[str, EngineStats] = {url: EngineStats() for url in self.engine_urls + self.worker_urls}
+        # made once: every generate call hands it to its retry loop, and a bound method made per call
+        # would live as long as the call (retries.py)
+        self._abort_after_timeout = self._abort_timed_out_request
 
     @classmethod
     async def from_router(cls, router_url: str, *, dispatch: str = "direct", hints: DeploymentHints | None = None,
-                          wait: EngineWait = EngineWait(), **kw) -> EngineClient:
+                          wait: EngineWait = ANY_ENGINE, **kw) -> EngineClient:
         """Build a client for every engine the router lists (``GET {router}/workers``) once the list is
         what ``wait`` asks for (``EngineWait``), dispatching as ``dispatch`` (auto | direct | router)
         says (``dispatch.choose``).
@@ -337,7 +127,14 @@ class EngineClient:
         if owns_transport:
             transport = HttpTransport()
         try:
-            chosen = await _discover(normalise_url(router_url), transport, dispatch, hints, wait, kw)
+            router_url = normalise_url(router_url)
+
+            async def answers_as_engine() -> None:  # the fallback of a URL without /workers
+                await cls([router_url], transport=transport, **kw).weight_version(router_url)
+
+            chosen = await discover(router_url, transport, dispatch, hints, wait,
+                                    timeout_s=kw.get("timeout_s", 3600.0), max_retries=kw.get("max_retries", 3),
+                                    retry_backoff_s=kw.get("retry_backoff_s", 1.0), answers_as_engine=answers_as_engine)
             client = cls([], transport=transport, dispatch=chosen, **kw)
         except BaseException:
             if owns_transport:
@@ -356,28 +153,10 @@ class EngineClient:
             self._stats(url).reply_errors += 1
             raise
 
-    async def _call(
-        self,
-        url: str,
-        method: str,
-        path: str,
-        payload: dict | None,
-        *,
-        timeout_s: float,
-        before_retry_after_timeout: Callable[[], Awaitable[None]] | None = None,
-    ) -> Any:
-        return await _call_with_retries(
-            self.transport,
-            url,
-            method,
-            path,
-            payload,
-            timeout_s=timeout_s,
-            max_retries=self.max_retries,
-            retry_backoff_s=self.retry_backoff_s,
-            stats=self._stats(url),
-            before_retry_after_timeout=before_retry_after_timeout,
-        )
+    async def _call(self, url: str, method: str, path: str, payload: dict | None, *, timeout_s: float) -> Any:
+        return await call_with_retries(self.transport, url, method, path, payload, timeout_s=timeout_s,
+                                       max_retries=self.max_retries, retry_backoff_s=self.retry_backoff_s,
+                                       stats=self._stats(url))
 
     async def generate(
         self,
@@ -402,6 +181,8 @@ class EngineClient:
         ``sampling_seed`` unless the server runs with deterministic inference, so a retried call
         draws a fresh continuation (equally valid, from the same policy; greedy decoding repeats).
         """
+        # No closure or per-call helper object here: this frame waits as long as the engine
+        # generates, and whatever it holds is walked by every full collection (retries.py).
         engine_url = normalise_url(engine_url)
         payload = generate_request(input_ids, max_new_tokens=max_new_tokens, rid=rid, sampling_params=sampling_params,
                                    sampling_seed=sampling_seed, vocab_size=self.vocab_size, replay=self.replay,
@@ -411,50 +192,46 @@ class EngineClient:
             if dropped:
                 raise RequestRejected(f"router {engine_url} rid {rid}: the router drops {', '.join(dropped)} "
                                       "without a word; this request needs april_dispatch: direct")
-
-        # A timed-out generate may still be running on the engine: the client only stopped
-        # waiting. Retrying straight away would have the engine generate the same sample twice at
-        # once (and, with the same rid, clash with the first copy). So abort that rid first; this is
-        # best effort, because an engine that cannot answer an abort either is down (nothing is
-        # running) or will fail the retry as well.
-        async def abort_timed_out_request() -> None:
-            stats = self._stats(engine_url)
-            stats.aborts_after_timeout += 1
-            timeout_s = min(self.control_timeout_s, ABORT_TIMEOUT_S)
-
-            async def abort_on(url: str) -> None:
-                async with asyncio.timeout(timeout_s):
-                    await self.transport.request("POST", url, "/abort_request", {"rid": rid}, timeout_s)
-
-            try:
-                await _fan_out([abort_on(u) for u in self.dispatch.abort_urls(engine_url)], f"abort of {rid}")
-            except (TimeoutError, TransportHTTPError, OSError, ValueError) as exc:
-                stats.failed_aborts_after_timeout += 1
-                logger.warning(
-                    "engine %s: abort of timed-out rid %s failed (%s); retrying anyway",
-                    engine_url, rid, exc,
-                )
-
-        reply = await self._call(
-            engine_url,
-            "POST",
-            "/generate",
-            payload,
-            timeout_s=self.timeout_s,
-            before_retry_after_timeout=abort_timed_out_request,
-        )
-        result = self._counting_reply_errors(
-            engine_url,
-            lambda: parse_generate_reply(
-                reply, engine_url=engine_url, rid=rid, max_new_tokens=max_new_tokens,
-                vocab_size=self.vocab_size, replay=self.replay, input_len=len(input_ids), routed_start=replay_rows,
-            ),
-        )
-        self._stats(engine_url).retractions_in_replies += result.retractions
+        stats = self._stats(engine_url)
+        reply = await call_with_retries(self.transport, engine_url, "POST", "/generate", payload,
+                                        timeout_s=self.timeout_s, max_retries=self.max_retries,
+                                        retry_backoff_s=self.retry_backoff_s, stats=stats,
+                                        abort_after_timeout=self._abort_after_timeout, rid=rid)
+        try:
+            result = parse_generate_reply(
+                reply, engine_url=engine_url, rid=rid, max_new_tokens=max_new_tokens, vocab_size=self.vocab_size,
+                replay=self.replay, input_len=len(input_ids), routed_start=replay_rows)
+        except EngineReplyError:
+            stats.reply_errors += 1
+            raise
+        stats.retractions_in_replies += result.retractions
         if self.version_offset:
             result = dataclasses.replace(result, weight_version=result.weight_version + self.version_offset,
                                          version_runs=result.version_runs.shifted(self.version_offset))
         return result
+
+    async def _abort_timed_out_request(self, engine_url: str, rid: str) -> None:
+        """A timed-out generate may still be running on the engine: the client only stopped
+        waiting. Retrying straight away would have the engine generate the same sample twice at
+        once (and, with the same rid, clash with the first copy). So the rid is aborted first; this
+        is best effort, because an engine that cannot answer an abort either is down (nothing is
+        running) or will fail the retry as well."""
+        stats = self._stats(engine_url)
+        stats.aborts_after_timeout += 1
+        timeout_s = min(self.control_timeout_s, ABORT_TIMEOUT_S)
+
+        async def abort_on(url: str) -> None:
+            async with asyncio.timeout(timeout_s):
+                await self.transport.request("POST", url, "/abort_request", {"rid": rid}, timeout_s)
+
+        try:
+            await fan_out([abort_on(u) for u in self.dispatch.abort_urls(engine_url)], f"abort of {rid}")
+        except (TimeoutError, TransportHTTPError, OSError, ValueError) as exc:
+            stats.failed_aborts_after_timeout += 1
+            logger.warning(
+                "engine %s: abort of timed-out rid %s failed (%s); retrying anyway",
+                engine_url, rid, exc,
+            )
 
     async def abort(
         self,
@@ -475,7 +252,7 @@ class EngineClient:
         payload: dict = {"abort_all": True} if abort_all else {"rid": rid}
 
         async def abort_on(url: str) -> None:
-            await _call_with_retries(
+            await call_with_retries(
                 self.transport, url, "POST", "/abort_request", payload,
                 timeout_s=self.control_timeout_s if timeout_s is None else timeout_s,
                 max_retries=self.max_retries if max_retries is None else max_retries,
@@ -484,7 +261,7 @@ class EngineClient:
 
         # through the router every engine is asked: the router has no /abort_request, and which
         # engine runs the rid is the router's business
-        await _fan_out([abort_on(u) for u in self.dispatch.abort_urls(engine_url)], f"abort through {engine_url}")
+        await fan_out([abort_on(u) for u in self.dispatch.abort_urls(engine_url)], f"abort through {engine_url}")
 
     async def probe(self, engine_url: str, timeout_s: float) -> None:
         """Health probe: a one-token generate answered within ``timeout_s`` (what SGLang's own
@@ -497,7 +274,7 @@ class EngineClient:
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
             "rid": f"april-probe-{uuid.uuid4().hex}",
         }
-        reply = await _call_with_retries(
+        reply = await call_with_retries(
             self.transport, engine_url, "POST", "/generate", payload, timeout_s=timeout_s,
             max_retries=0, retry_backoff_s=0.0, stats=EngineStats(),
         )

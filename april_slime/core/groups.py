@@ -112,11 +112,19 @@ class StepGroups:
         if self.step.pacing.active:
             self.step.pacing.track(group, live=to in _LIVE or (to is Place.RESUME and holds_tokens(group)))
 
-    def tokens_changed(self, uid: str) -> None:
-        """A reply brought group ``uid`` tokens (maybe of an older version): its slack is read again."""
+    def tokens_changed(self, uid: str, item: Trajectory | None = None) -> None:
+        """A reply brought group ``uid`` tokens (maybe of an older version): its slack is read again.
+        ``item``: the work item the reply went to; when it is one of the group's members, only its
+        versions are read (``StalenessPacing.tokens_added``), else the whole group's."""
         place = self.ledger.place_of(uid)
         if self.step.pacing.active and place in _LIVE:
-            self.step.pacing.track(self.ledger.get(uid, place), live=True)
+            group = self.ledger.get(uid, place)
+            members = group.trajectories
+            i = -1 if item is None else item.index_in_group
+            if 0 <= i < len(members) and members[i] is item:
+                self.step.pacing.tokens_added(group, item.oldest_version())
+            else:  # an episode's call (its member changes when the episode is suspended), the deadline
+                self.step.pacing.track(group, live=True)
 
     def open(self, k: int) -> int:
         """Open up to ``k`` groups, buffered ones first; returns how many were opened. New prompts

@@ -35,10 +35,11 @@ being aborted again. A group is protected only while the inequality holds with i
 never makes a due group miss its step; one left unprotected is protected at a later step.
 
 Cost. The rules read counts of live groups per slack, never the groups themselves: the step tells
-the pacing when a group starts or stops counting (``track``, at every change of place, and after
-every reply, which may bring tokens of an older version), each group's slack is computed then and
-kept, and a check costs O(max_staleness) whatever the number of live groups. A step of N' requests
-costs O(N') slack computations (``slack_computations``), not O(accepts x live groups).
+the pacing when a group starts or stops counting (``track``, at every change of place) and when a
+reply added tokens to a member (``tokens_added``: they may be of an older version), each group's
+slack is computed then and kept, and a check costs O(max_staleness) whatever the number of live
+groups. A reply costs O(1) (the kept slack against the member's oldest version); a step of N'
+requests costs O(N') slack computations (``slack_computations``), not O(accepts x live groups).
 """
 
 from __future__ import annotations
@@ -115,6 +116,25 @@ class StalenessPacing:
             self._counted[group.uid] = (group, slack)
             if slack is not None:
                 self._by_slack[slack] += 1
+
+    def tokens_added(self, group: Group, member_oldest: int | None) -> None:
+        """A reply appended tokens to one member of the counted ``group``; ``member_oldest``: that
+        member's oldest version now. Tokens are only ever added, so the group's oldest version can
+        only fall to the member's: its slack is the lower of the kept one and the member's, in
+        O(1) instead of a pass over every member's versions (``track``). A group not counted as
+        this object is tracked afresh."""
+        counted = self._counted.get(group.uid)
+        if counted is None or counted[0] is not group:
+            self.track(group, live=True)
+            return
+        kept = counted[1]
+        if kept is None or member_oldest is None or group.uid in self.protected:
+            return  # released or unbounded: no deadline whatever its tokens; protected: slack 0 stays
+        slack = self.max_staleness - max(0, self.current_version - member_oldest)
+        if slack < kept:
+            self._uncount(group.uid)
+            self._counted[group.uid] = (group, slack)
+            self._by_slack[slack] += 1
 
     def _uncount(self, uid: str) -> None:
         counted = self._counted.pop(uid, None)

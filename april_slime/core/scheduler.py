@@ -348,7 +348,9 @@ class _Step:
             if timeout is None:
                 event = await self.ctx.events.get()
             else:
-                event = await asyncio.wait_for(self.ctx.events.get(), max(timeout, 0.0))
+                # a deadline on this task itself: wait_for would wrap every wait in a task of its own
+                async with asyncio.timeout(max(timeout, 0.0)):
+                    event = await self.ctx.events.get()
         except TimeoutError:
             return False
         self._handle(event)
@@ -432,7 +434,7 @@ class _Step:
             return
         if error is None:
             error = self.ctx.work.absorb(t, result, self.draining)
-            self.groups.tokens_changed(t.group_uid)
+            self.groups.tokens_changed(t.group_uid, t)
         if error is None:
             self.ctx.counters.answered_call_s += call.running_s(self.ctx.loop.time())
             self.s.health.readmit(call.engine_url)

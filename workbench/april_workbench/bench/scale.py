@@ -89,6 +89,7 @@ class StepCost:
     gc2_count: int
     rollout_s: float  # virtual seconds
     train_s: float  # virtual seconds
+    generated_tokens: int = 0  # what the calls of the step brought back (a bound changes calls' sizes)
 
 
 def scale_workload(n_prime: int, bound: int | None, steps: int, max_response_len: int) -> Workload:
@@ -131,6 +132,7 @@ def scheduler_cost(n_prime: int, bound: int | None, steps: int, max_response_len
     def on_step(record) -> None:
         cost = costs[-1]
         cost.engine_calls = int(record.metrics.get("april/engine_calls", 0))
+        cost.generated_tokens = int(record.metrics.get("april/generated_tokens", 0))
         cost.rollout_s, cost.train_s = record.rollout_s, record.train_s
 
     async def main():
@@ -148,6 +150,8 @@ def scheduler_cost(n_prime: int, bound: int | None, steps: int, max_response_len
         "plugin_ms_per_call": 1e3 * statistics.median(per_request),
         "plugin_ms_per_call_by_step": [1e3 * c.plugin_cpu_s / max(c.engine_calls, 1) for c in costs],
         "plugin_cpu_s_per_step": statistics.median(c.plugin_cpu_s for c in steady),
+        "plugin_ms_per_1k_tokens": 1e6 * statistics.median(c.plugin_cpu_s / max(c.generated_tokens, 1) for c in steady),
+        "gc2_count_per_step": statistics.median(c.gc2_count for c in steady),
         "gc2_share": sum(c.gc2_s for c in steady) / max(sum(c.plugin_cpu_s + c.emulator_cpu_s for c in steady), 1e-9),
         "steps_per_h_virtual": 3600 * len(steady) / virtual,
         "steps_per_h_charged": 3600 * len(steady) / charged,
@@ -334,16 +338,22 @@ FULL = {"n_primes": (64, 256, 1024, 4096), "steps": 4, "tokens": 30_000_000, "ro
 ROUTED = (48, 8)  # Qwen3-30B-A3B: 48 MoE layers, top-8 of 128 experts
 
 
+PARTS = ("scheduler", "checkpoint")
+
+
 def run(*, quick: bool, bounds: tuple[int | None, ...] = (None, 2), n_primes: tuple[int, ...] | None = None,
         tokens: int | None = None, routed_tokens: int | None = None, folder: Path | None = None,
-        progress=print) -> dict[str, Any]:
+        parts: tuple[str, ...] = PARTS, progress=print) -> dict[str, Any]:
     plan = dict(QUICK if quick else FULL)
     n_primes = n_primes or plan["n_primes"]
     out: dict[str, Any] = {"quick": quick, "scheduler": [], "checkpoint": []}
-    for n_prime in n_primes:
-        for bound in bounds:
-            progress(f"scheduler: copris N'={n_prime}, bound {bound}")
-            out["scheduler"].append(scheduler_cost(n_prime, bound, plan["steps"], plan["max_response_len"]))
+    if "scheduler" in parts:
+        for n_prime in n_primes:
+            for bound in bounds:
+                progress(f"scheduler: copris N'={n_prime}, bound {bound}")
+                out["scheduler"].append(scheduler_cost(n_prime, bound, plan["steps"], plan["max_response_len"]))
+    if "checkpoint" not in parts:
+        return out
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         for count, routed in ((tokens or plan["tokens"], None), (routed_tokens or plan["routed_tokens"], ROUTED)):
             progress(f"checkpoint: {count:,} tokens, routed experts {routed}")
@@ -383,18 +393,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=float, default=None, help="buffered tokens of the checkpoint without routing rows")
     p.add_argument("--routed-tokens", type=float, default=None, help="buffered tokens with 48 x 8 routing rows")
     p.add_argument("--dir", type=Path, default=None, help="folder on the disk to measure (default: the temp folder)")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"what to measure, comma-separated (default: {','.join(PARTS)})")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
     try:
         bounds = tuple(None if b.strip() == "none" else int(b) for b in args.bounds.split(","))
         n_primes = tuple(int(x) for x in args.n_prime.split(",")) if args.n_prime else None
+        parts = tuple(x.strip() for x in args.parts.split(","))
+        unknown = [x for x in parts if x not in PARTS]
+        if unknown or not parts:
+            raise ValueError(f"--parts: {', '.join(unknown) or 'nothing'} is not one of {', '.join(PARTS)}")
     except ValueError as e:
         print(f"april-slime bench scale: {e}", file=sys.stderr)
         return 2
     result = run(quick=args.quick, bounds=bounds, n_primes=n_primes,
                  tokens=int(args.tokens) if args.tokens else None,
                  routed_tokens=int(args.routed_tokens) if args.routed_tokens else None, folder=args.dir,
-                 progress=lambda line: print(line, file=sys.stderr, flush=True))
+                 parts=parts, progress=lambda line: print(line, file=sys.stderr, flush=True))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(report(result))

@@ -13,7 +13,8 @@ Entry points: ``python -m april_workbench.emulator`` (HTTP on loopback),
 (in-process) and ``vclock.run_virtual`` (emulated time without waiting).
 """
 
-from .batching import AdmissionRefused, EmulatedEngine, EngineStopped
+from .batching import AdmissionRefused, EmulatedEngine
+from .clocked import EngineStopped
 from .cluster import EmulatorCluster, LocalTransport
 from .config import EngineConfig, TimeModel
 from .model import LENGTH_PRESETS, LengthModel, SyntheticLM, prompt_key, reference_tokens

@@ -1,21 +1,20 @@
 """One emulated engine: its ``ContinuousBatch`` driven on the event loop, with requests in and replies out.
 
 The engine owns the client side: requests in (``submit``, ``generate``, and the refusals the server
-answers with HTTP 400 or 503), aborts, weight-version bumps, the scheduling task that sleeps until
-each planned step ends, and the replies. Arrivals, aborts and weight-version bumps inside a macro
-step cut it at the step in progress, so what a client sees is what step-by-step execution would
-give: an abort returns exactly the tokens of the steps completed before it.
+answers with HTTP 400 or 503), aborts, weight-version bumps and the replies; the scheduling task
+that sleeps until each planned step ends is its base's (``clocked.ClockedBatch``). Arrivals, aborts
+and weight-version bumps inside a macro step cut it at the step in progress, so what a client sees
+is what step-by-step execution would give: an abort returns exactly the tokens of the steps
+completed before it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
-from .batch import ContinuousBatch, _Plan
+from .clocked import ClockedBatch, EngineStopped, set_if_pending
 from .config import EngineConfig
-from .cputime import CpuMeter, timed
 from .model import SampleProfile, SyntheticLM, prompt_key
 from .request import _DONE, _RUNNING, _WAITING, _Request
 
@@ -26,65 +25,32 @@ class AdmissionRefused(ValueError):
     ``april_slime.core.engine.RequestRejected``, which is what such an answer becomes there."""
 
 
-class EngineStopped(RuntimeError):
-    """The engine is not running (stopped, or its scheduling loop failed): HTTP 503."""
-
-
-class EmulatedEngine(ContinuousBatch):
-    """One engine: the batch it inherits, plus the requests, aborts and replies of its clients.
-    All calls run on the event loop's thread."""
+class EmulatedEngine(ClockedBatch):
+    """One engine: the batch it inherits, stepped on the loop's clock, plus the requests, aborts
+    and replies of its clients. All calls run on the event loop's thread."""
 
     def __init__(self, model: SyntheticLM, config: EngineConfig | None = None, name: str = "engine"):
         super().__init__(model, config, name)
         self._requests: dict[str, _Request] = {}
-        self._task: asyncio.Task | None = None
-        self._waiter: asyncio.Future | None = None
-        self._closed = False
         # Reply counters for the benchmark; cumulative (the step counters are the batch's).
         self.delivered_tokens = 0  # tokens returned to clients (finished or aborted replies)
         self.finished_requests = 0
         self.aborted_requests = 0
         self.first_arrival_t: float | None = None
         self.last_reply_t: float | None = None
-        self.cpu = CpuMeter()  # the batching loop's own CPU (a benchmark tells it from the client's)
 
-    # ------------------------------------------------------------------ lifecycle
-    def start(self, origin: float | None = None) -> None:
-        """Start the scheduling task on the running loop; ``origin`` is loop time of emulated 0."""
-        self._loop = asyncio.get_running_loop()
-        self._origin = self._loop.time() if origin is None else origin
-        self._t = self.now()
-        self._task = self._loop.create_task(timed(self._run(), self.cpu), name=f"emulator-{self.name}")
-        self._task.add_done_callback(self._on_loop_exit)
+    async def stop(self) -> None:
+        """Stop scheduling; every request still held gets an abort reply with its tokens so far."""
+        await self._stop_loop()
+        for req in list(self._requests.values()):
+            self._finish(req, "abort")
 
-    def _on_loop_exit(self, task: asyncio.Task) -> None:
-        if task.cancelled() or task.exception() is None:
-            return
-        # A bug in the scheduling loop must not leave clients waiting forever: fail them loudly.
-        self._closed = True
-        error = EngineStopped(f"{self.name}: scheduling loop failed: {task.exception()!r}")
+    def _loop_failed(self, error: EngineStopped) -> None:
         for req in list(self._requests.values()):
             req.state = _DONE
             if not req.future.done():
                 req.future.set_exception(error)
         self._requests.clear()
-
-    async def stop(self) -> None:
-        """Stop scheduling; every request still held gets an abort reply with its tokens so far."""
-        self._closed = True
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            # Re-raises a failure of the loop (its clients were already failed by _on_loop_exit).
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._settle_plan_for_abort(self.now())
-        for req in list(self._requests.values()):
-            self._finish(req, "abort")
-
-    def _poke(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(False)
 
     # ------------------------------------------------------------------ requests
     def submit(self, rid: str, input_ids: list[int], max_new_tokens: int, sampling_seed: int,
@@ -118,7 +84,9 @@ class EmulatedEngine(ContinuousBatch):
                        return_logprob: bool = True, ignore_eos: bool = False) -> dict:
         future = self.submit(rid, input_ids, max_new_tokens, sampling_seed, return_logprob, ignore_eos)
         try:
-            return await asyncio.shield(future)
+            # Not shielded: a caller's cancellation cancels the future too, which the engine reads
+            # as "nobody waits for this reply" (every reply checks ``future.done()`` first).
+            return await future
         except asyncio.CancelledError:
             # The caller went away (client disconnect, timeout): free the request's slot and KV.
             req = self._requests.get(rid)
@@ -212,71 +180,6 @@ class EmulatedEngine(ContinuousBatch):
             self._drop(req)
         self._poke()
 
-    def _settle_plan_for_abort(self, now: float) -> None:
-        """On shutdown: credit the steps of the plan in progress that completed before ``now``."""
-        plan = self._plan
-        if plan is None:
-            return
-        if plan.kind == "decode":
-            j = plan.steps_done(now)
-            if j >= plan.k:
-                self._commit(plan)
-                return
-            for req in plan.batch:
-                req.generated += j
-                self.decoded_tokens += j
-        self._plan = None
-
-    # ------------------------------------------------------------------ the scheduling loop
-    async def _run(self) -> None:
-        while True:
-            plan = self._plan
-            if plan is None:
-                plan = self._next_plan()
-                if plan is None:
-                    await self._sleep_until(None)  # idle until an arrival
-                    # The idle gap is not work: the next step starts now. While busy, steps
-                    # follow each other back to back on the emulated clock, whatever the lag
-                    # of the real loop behind it (up to max_lag_s, when set).
-                    self._t = max(self._t, self.now())
-                    continue
-            self._bound_lag()
-            while self._plan is plan:
-                end = plan.end
-                fired = await self._sleep_until(end)
-                if self._plan is not plan:
-                    break
-                if fired and plan.end == end or plan.end <= self.now():
-                    self._commit(plan)
-
-    def _bound_lag(self) -> None:
-        """With ``max_lag_s``: the time the loop lost beyond it is a pause of this engine's clock."""
-        max_lag = self.config.max_lag_s
-        if max_lag is None:
-            return
-        lag = self.now() - self._t
-        if lag > max_lag:
-            self._origin += (lag - max_lag) / self.config.time_scale
-
-    async def _sleep_until(self, emulated: float | None) -> bool:
-        """Sleep until the emulated time (True) or a poke (False)."""
-        waiter = self._loop.create_future()
-        self._waiter = waiter
-        handle = None
-        if emulated is not None:
-            handle = self._loop.call_at(self._loop_time(emulated), _set_if_pending, waiter, True)
-        try:
-            return await waiter
-        finally:
-            self._waiter = None
-            if handle is not None:
-                handle.cancel()
-
-    def _commit(self, plan: _Plan) -> None:
-        """The plan's steps have all elapsed: apply them and reply to the requests they finished."""
-        for req, reason in self._apply(plan):
-            self._finish(req, reason)
-
     # ------------------------------------------------------------------ replies
     def _drop(self, req: _Request) -> None:
         req.state = _DONE
@@ -298,7 +201,7 @@ class EmulatedEngine(ContinuousBatch):
             reply = req.reply(self.model, reason, now, self.weight_version)
             delay = self.config.abort_latency_s if reason == "abort" and not self._closed else 0.0
             if delay > 0.0:
-                self._loop.call_at(self._loop_time(now + delay), _set_if_pending, req.future, reply)
+                self._loop.call_at(self._loop_time(now + delay), set_if_pending, req.future, reply)
             else:
                 req.future.set_result(reply)
 
@@ -329,7 +232,3 @@ class EmulatedEngine(ContinuousBatch):
                          "kv_used": list(self._timeline_kv)},
         }
 
-
-def _set_if_pending(fut: asyncio.Future, value: bool) -> None:
-    if not fut.done():
-        fut.set_result(value)

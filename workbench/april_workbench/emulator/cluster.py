@@ -11,7 +11,7 @@ from april_slime.core.transport import TransportHTTPError, encode_json
 
 from .batching import EmulatedEngine
 from .config import EngineConfig
-from .cputime import CpuMeter, timed
+from .cputime import CpuMeter, metered
 from .model import SyntheticLM
 from .replay import EmulatedReplay
 from .server import EngineHandler, Handler, HttpServer, RouterHandler, bind_socket, wire_form
@@ -173,7 +173,9 @@ class LocalTransport:
         delay = self.transit_s / 2 if self.transit_s and path in self.TRANSIT_PATHS else 0.0
         if delay:
             await asyncio.sleep(delay)
-        status, body = await asyncio.wait_for(timed(handler.handle(method, path, payload), self.cpu), timeout_s)
+        # No timer of its own: the engine client bounds every attempt with the same ``timeout_s``
+        # (``retries.call_with_retries``), and a call in flight holds nothing more than it needs.
+        status, body = await metered(handler.handle(method, path, payload), self.cpu)
         if delay:
             await asyncio.sleep(delay)
         if not self.token_arrays:

@@ -23,7 +23,8 @@ from aiohttp import web
 
 from april_slime.core.sglang_protocol import LogprobArrays, check_token_ids
 
-from .batching import AdmissionRefused, EmulatedEngine, EngineStopped
+from .batching import AdmissionRefused, EmulatedEngine
+from .clocked import EngineStopped
 from .replay import EmulatedReplay
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params omits it
