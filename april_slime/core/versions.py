@@ -160,4 +160,4 @@ class VersionRuns:
 
     def plain(self) -> list[list[int]]:
         """A copy as plain lists (what JSON and slime's metadata hold)."""
-        return [[int(version), int(count)] for version, count in self]
+        return [[int(version), int(count)] for version, count in self._runs]

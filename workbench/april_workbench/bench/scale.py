@@ -193,7 +193,8 @@ def build_buffer(tokens: int, *, routed: tuple[int, int] | None = None, response
 
 
 def _held_bytes(buffer: PartialBuffer) -> int:
-    """The raw bytes of the buffer's arrays (prompts once per group)."""
+    """The raw bytes of the buffer's arrays (prompts once per group; routed experts as held: one
+    byte per id when every id of a trajectory's rows fits, else four). The file holds the same."""
     total = 0
     for group in buffer.groups():
         total += group.prompt_ids.nbytes
@@ -201,13 +202,6 @@ def _held_bytes(buffer: PartialBuffer) -> int:
             total += t.response_ids.nbytes + t.logprobs.nbytes
             total += len(t.replay.routed) if t.replay is not None and t.replay.routed is not None else 0
     return total
-
-
-def _file_raw_bytes(buffer: PartialBuffer, narrow_routed: bool) -> int:
-    """What the file's arrays must hold at least: ids 4, log-probs 8, routed experts 1 or 4."""
-    routed = sum(len(t.replay.routed) for g in buffer.groups() for t in g.trajectories
-                 if t.replay is not None and t.replay.routed is not None)
-    return _held_bytes(buffer) - routed + (routed // 4 if narrow_routed else routed)
 
 
 class _Prompts(SimpleNamespace):
@@ -272,7 +266,7 @@ def checkpoint_cost(tokens: int, *, routed: tuple[int, int] | None, folder: Path
     loaded_box.clear()
 
     # the same number of bytes through numpy, on the same disk, fsynced like the checkpoint
-    raw = _file_raw_bytes(buffer, narrow_routed=routed is not None)
+    raw = held  # the file holds the arrays as the buffer holds them
     plain = folder / "plain.npy"
     blocks = [np.ones(raw, dtype=np.uint8)]
 
@@ -334,16 +328,21 @@ FULL = {"n_primes": (64, 256, 1024, 4096), "steps": 4, "tokens": 30_000_000, "ro
 ROUTED = (48, 8)  # Qwen3-30B-A3B: 48 MoE layers, top-8 of 128 experts
 
 
+PARTS = ("scheduler", "checkpoint")
+
+
 def run(*, quick: bool, bounds: tuple[int | None, ...] = (None, 2), n_primes: tuple[int, ...] | None = None,
         tokens: int | None = None, routed_tokens: int | None = None, folder: Path | None = None,
-        progress=print) -> dict[str, Any]:
+        parts: tuple[str, ...] = PARTS, progress=print) -> dict[str, Any]:
     plan = dict(QUICK if quick else FULL)
     n_primes = n_primes or plan["n_primes"]
     out: dict[str, Any] = {"quick": quick, "scheduler": [], "checkpoint": []}
-    for n_prime in n_primes:
+    for n_prime in n_primes if "scheduler" in parts else ():
         for bound in bounds:
             progress(f"scheduler: copris N'={n_prime}, bound {bound}")
             out["scheduler"].append(scheduler_cost(n_prime, bound, plan["steps"], plan["max_response_len"]))
+    if "checkpoint" not in parts:
+        return out
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         for count, routed in ((tokens or plan["tokens"], None), (routed_tokens or plan["routed_tokens"], ROUTED)):
             progress(f"checkpoint: {count:,} tokens, routed experts {routed}")
@@ -384,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routed-tokens", type=float, default=None, help="buffered tokens with 48 x 8 routing rows")
     p.add_argument("--dir", type=Path, default=None, help="folder on the disk to measure (default: the temp folder)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--only", choices=PARTS, default=None,
+                   help="measure only this part (the other's table stays empty)")
     args = p.parse_args(argv)
     try:
         bounds = tuple(None if b.strip() == "none" else int(b) for b in args.bounds.split(","))
@@ -394,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(quick=args.quick, bounds=bounds, n_primes=n_primes,
                  tokens=int(args.tokens) if args.tokens else None,
                  routed_tokens=int(args.routed_tokens) if args.routed_tokens else None, folder=args.dir,
+                 parts=(args.only,) if args.only else PARTS,
                  progress=lambda line: print(line, file=sys.stderr, flush=True))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
