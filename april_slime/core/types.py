@@ -198,18 +198,17 @@ class Trajectory:
         """Plain data (lists; the replay's arrays as ``bytes``). With ``shared``, the token columns
         and the replay's pieces themselves instead: immutable, so a snapshot holds them without a
         copy (``core.checkpoint``); ``from_dict`` reads both."""
-        def column(values: Column) -> Any:
-            return values if shared else values.tolist()
-
+        columns = (self.prompt_ids, self.response_ids, self.logprobs)
+        prompt_ids, response_ids, logprobs = columns if shared else (c.tolist() for c in columns)
         return {
             "uid": self.uid,
             "group_uid": self.group_uid,
             "index_in_group": self.index_in_group,
-            "prompt_ids": column(self.prompt_ids),
+            "prompt_ids": prompt_ids,
             "max_new_tokens": self.max_new_tokens,
             "sampling_seed": self.sampling_seed,
-            "response_ids": column(self.response_ids),
-            "logprobs": column(self.logprobs),
+            "response_ids": response_ids,
+            "logprobs": logprobs,
             "version_runs": self.version_runs.plain(),
             "status": self.status.value,
             "finish_reason": self.finish_reason,
