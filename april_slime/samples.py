@@ -181,7 +181,8 @@ def put_replay(s: Any, replay: TokenReplay | None, spec: ReplaySpec, uid: str) -
     if missing:
         raise RuntimeError(f"sample {uid}: holds {missing}; it cannot be replayed in training")
     if spec.routed:
-        s.rollout_routed_experts = _int32_tensor(replay.routed).reshape(-1, spec.routed_layers, spec.routed_topk)
+        s.rollout_routed_experts = _int32_tensor(replay.routed_int32()).reshape(-1, spec.routed_layers,
+                                                                                spec.routed_topk)
     if spec.top_p:
         import torch
 

@@ -27,8 +27,10 @@ def test_the_checkpoint_cost_reports_a_file_of_the_raw_bytes(tmp_path):
     # an int32 id and a float64 log-prob each, plus the process's fixed costs (about 1 MB) spread over
     # the tokens; a Python list held 68 bytes per token (a pointer and an int, a pointer and a float)
     assert 12 <= plain["live_bytes_per_token"] < 16
-    # routing rows: 8 int32 per position in memory, written as uint8
-    assert routed["raw_bytes"] < routed["held_bytes"] / 2
+    # routing rows: 8 ids per position (one trajectory of a 512-token prompt and 3,000 response
+    # tokens), held and written one byte each (as int32 they were four), besides the ids and log-probs
+    positions = 512 + 3_000 - 1
+    assert routed["held_bytes"] == routed["raw_bytes"] == 512 * 4 + 3_000 * 12 + positions * 8
 
 
 def test_the_command_writes_its_json(tmp_path, capsys):
@@ -51,6 +53,14 @@ def test_the_command_measures_only_the_parts_asked_for(tmp_path, capsys):
     assert sum(s["generated_tokens"] for s in row["steps"]) > 0 and row["plugin_ms_per_1k_tokens"] > 0
     assert scale.main(["--quick", "--parts", "scheduler,ckpt"]) == 2
     assert "ckpt is not one of scheduler, checkpoint" in capsys.readouterr().err
+
+
+def test_the_command_can_measure_the_checkpoint_alone(tmp_path):
+    out = tmp_path / "scale.json"
+    assert scale.main(["--parts", "checkpoint", "--tokens", "20000", "--routed-tokens", "2000",
+                       "--json", str(out), "--dir", str(tmp_path)]) == 0
+    result = json.loads(out.read_text())
+    assert result["scheduler"] == [] and [c["response_tokens"] for c in result["checkpoint"]] == [20_000, 2_000]
 
 
 def test_the_docs_show_the_committed_run():

@@ -28,7 +28,7 @@ def rows(first: int, last: int, tag: int) -> list[int]:
 
 
 def row_tags(replay: TokenReplay) -> list[tuple[int, int]]:
-    values = int32_values(replay.routed)
+    values = int32_values(replay.routed_int32())
     return [(values[i], values[i + 1]) for i in range(0, len(values), WIDTH)]
 
 
@@ -227,7 +227,9 @@ def test_truncate_save_and_load_keep_the_replay_aligned():
 
 
 @pytest.mark.parametrize("damage, message", [
-    ({"routed": base64.b64encode(b"\0" * 12).decode()}, "not rows of 4 int32"),
+    ({"routed": base64.b64encode(b"\0" * 12).decode(), "routed_itemsize": 4}, "not rows of 4 int32"),
+    ({"routed": base64.b64encode(b"\0" * 6).decode()}, "not rows of 4 uint8"),
+    ({"routed_itemsize": 2}, "routed_itemsize: 2, not 1"),
     ({"top_p_counts": None}, "without their counts"),
     ({"top_p_counts": b64([3])}, "do not add up"),
     ({"routed": "not base64!"}, "not base64"),
@@ -304,3 +306,68 @@ def test_routed_experts_that_are_not_whole_rows_are_refused():
     meta = {"routed_experts": b64([1, 2, 3])}
     with pytest.raises(EngineReplyError, match="not rows of 2 layers x top-2"):
         parse_routed_experts(meta, "e", SPEC, input_len=2, output_len=1, start=0)
+
+
+# ------------------------------------------------------------------ routed rows held as uint8
+def sent(*parts: tuple[int, int, int]) -> bytes:
+    """The int32 bytes an engine sends for rows ``(first, last, tag)``, one part after another."""
+    return struct.pack(f"<{4 * sum(last - first for first, last, _ in parts)}i",
+                       *(v for part in parts for v in rows(*part)))
+
+
+def test_routed_rows_whose_ids_fit_a_byte_are_held_as_uint8_and_handed_out_as_sent():
+    t = trajectory(prompt_len=5)
+    step(t, 3, tag=1)
+    step(t, 4, tag=2)
+    held = t.replay
+    assert held.routed_itemsize == 1 and len(held.routed) == held.routed_rows * WIDTH == 11 * WIDTH
+    assert held.routed_int32() == sent((0, 7, 1), (7, 11, 2))
+    assert held.routed_int32(3, 9) == sent((3, 7, 1), (7, 9, 2))
+
+
+def test_a_reply_with_an_id_beyond_a_byte_widens_what_the_trajectory_holds_once():
+    t = trajectory(prompt_len=5)
+    step(t, 3, tag=1)  # fits: uint8
+    before = t.replay.to_dict(shared=True)  # a snapshot's view of it
+    step(t, 4, tag=300)  # expert 300: what is held becomes int32, the earlier rows widened
+    assert t.replay.routed_itemsize == 4 and t.replay.routed_int32() == sent((0, 7, 1), (7, 11, 300))
+    assert bytes(t.replay.routed) == sent((0, 7, 1), (7, 11, 300))
+    step(t, 2, tag=2)  # fits again: appended as int32, the trajectory stays wide
+    assert t.replay.routed_itemsize == 4 and t.replay.routed_int32() == sent((0, 7, 1), (7, 11, 300), (11, 13, 2))
+    # the snapshot taken before still holds the uint8 rows it saw
+    assert TokenReplay.from_dict(before).routed_int32() == sent((0, 7, 1))
+    t.truncate(3)
+    assert t.replay.routed_rows == 7 and t.replay.routed_int32() == sent((0, 7, 1))
+    t.truncate(0)  # nothing held: the next rows are narrowed again
+    step(t, 2, tag=5)
+    assert t.replay.routed_itemsize == 1 and t.replay.routed_int32() == sent((0, 6, 5))
+
+
+def test_an_episode_stitches_calls_held_as_uint8_and_as_int32_into_int32_rows():
+    a = trajectory(prompt_len=5)
+    step(a, 3, tag=1)
+    b = Trajectory(uid="g/0@0.1", group_uid="g", index_in_group=0, prompt_ids=a.input_ids() + TOOL,
+                   max_new_tokens=64, sampling_seed=3)
+    step(b, 4, tag=300)
+    assert (a.replay.routed_itemsize, b.replay.routed_itemsize) == (1, 4)
+    tokens = b.input_ids()
+    out = stitch_calls(WIDTH, len(tokens) - 1, [a.replay, b.replay])
+    assert bytes(out) == sent((0, 7, 1), (7, len(tokens) - 1, 300))
+
+
+@pytest.mark.parametrize("tag", [2, 300])
+def test_slime_gets_the_int32_rows_the_engines_sent_however_they_are_held(tag):
+    import torch
+
+    from april_slime.samples import put_replay
+
+    t = trajectory(prompt_len=5)
+    step(t, 3, tag=1)
+    step(t, 4, tag=tag)
+    assert t.replay.routed_itemsize == (1 if tag < 256 else 4)
+    s = type("Sample", (), {})()  # any object takes slime's fields
+    s.tokens, s.response_length = t.prompt_ids + t.response_ids, t.response_length
+    put_replay(s, t.replay, ReplaySpec(routed_layers=2, routed_topk=2), t.uid)
+    # what slime got before rows were held narrowed: the engines' int32 bytes as a tensor
+    before = torch.frombuffer(bytearray(sent((0, 7, 1), (7, 11, tag))), dtype=torch.int32).reshape(-1, 2, 2)
+    assert s.rollout_routed_experts.dtype == torch.int32 and torch.equal(s.rollout_routed_experts, before)

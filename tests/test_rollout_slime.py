@@ -287,7 +287,7 @@ def test_save_is_atomic_and_next_to_slimes_state(slime_mode, tmp_path, prompts):
     folder = tmp_path / "ckpt" / "rollout"
     assert sorted(p.name for p in folder.iterdir()) == ["april_state_3.bin", "global_dataset_state_dict_3.pt"]
     state = read_plain_state(folder, 3)
-    assert state["format"] == 3 and state["prompt_state"]["sample_offset"] == 0
+    assert state["format"] == 4 and state["prompt_state"]["sample_offset"] == 0
 
 
 def test_a_missing_state_file_stops_the_job_naming_it(slime_mode, tmp_path, prompts):

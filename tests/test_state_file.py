@@ -117,15 +117,25 @@ def test_the_binary_state_round_trips_every_field_and_holds_the_raw_bytes(tmp_pa
     assert tokens_bytes <= size < tokens_bytes + 16_384
 
 
+def file_index(path) -> dict:
+    data = path.read_bytes()
+    return json.loads(data[16:16 + int.from_bytes(data[8:16], "little")])
+
+
 def test_routed_experts_beyond_a_byte_are_kept_as_int32(tmp_path):
     buf = PartialBuffer()
     buf.put(routed_group("wide", experts=1000))
+    held = buf.groups()[0].trajectories[0].replay
+    assert held.routed_itemsize == 4 and len(held.routed) == held.routed_rows * WIDTH * 4
     path = saved_file(tmp_path, buf)
-    index = json.loads(path.read_bytes()[16:16 + int.from_bytes(path.read_bytes()[8:16], "little")])
-    assert ["<i4", (5 + 7 - 1) * WIDTH] in index["arrays"] and not any(d == "|u1" for d, _ in index["arrays"])
+    index = file_index(path)
+    k = index["trajectories"]["replay"][0]["routed"]
+    assert index["array_dtypes"][k] == "i" and index["array_counts"][k] == (5 + 7 - 1) * WIDTH
+    assert "b" not in index["array_dtypes"]
     loaded = PartialBuffer()
     checkpoints(tmp_path, loaded).load(0)
-    assert loaded.groups()[0].trajectories[0].replay == buf.groups()[0].trajectories[0].replay
+    back = loaded.groups()[0].trajectories[0].replay
+    assert back == held and back.routed_itemsize == 4 and back.routed_int32() == bytes(held.routed)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "extended", "magic", "index", "empty"])
@@ -215,4 +225,157 @@ def test_the_index_refers_to_every_array_once_and_a_state_is_plain_json_otherwis
     path.write_bytes(data)
     state = state_file.decode(path)
     assert state["format"] == checkpoint.STATE_FORMAT and "arrays" not in state
-    assert isinstance(state["buffer"]["groups"][0]["trajectories"][0]["response_ids"], np.ndarray)
+    assert isinstance(state["buffer"]["groups"][0]["trajectories"][0]["response_ids"], Column)
+
+
+# ------------------------------------------------------------------ routed rows as held, and older files
+def test_uint8_routed_rows_round_trip_as_uint8_without_a_copy(tmp_path):
+    buf = PartialBuffer()
+    buf.put(routed_group("g"))  # expert ids below 128
+    held = buf.groups()[0].trajectories[0].replay
+    assert held.routed_itemsize == 1 and len(held.routed) == held.routed_rows * WIDTH  # a byte per id
+    path = saved_file(tmp_path, buf)
+    index = file_index(path)
+    assert index["format"] == checkpoint.STATE_FORMAT == 4
+    k = index["trajectories"]["replay"][0]["routed"]
+    assert index["array_dtypes"][k] == "b" and index["array_counts"][k] == held.routed_rows * WIDTH
+    loaded = PartialBuffer()
+    checkpoints(tmp_path, loaded).load(0)
+    back = loaded.groups()[0].trajectories[0].replay
+    assert back == held and back.routed_itemsize == 1 and back.routed_int32() == held.routed_int32()
+    [piece] = back.routed.frozen()
+    assert isinstance(piece, memoryview) and piece.readonly  # a view of the block read: not widened
+
+
+def one_trajectory_group(uid: str) -> tuple[Group, Trajectory]:
+    t = Trajectory(uid=f"{uid}/0", group_uid=uid, index_in_group=0, prompt_ids=[1, 2, 3], max_new_tokens=50,
+                   sampling_seed=0)
+    return Group(uid=uid, prompt_ids=[1, 2, 3], trajectories=[t]), t
+
+
+def test_a_trajectory_that_went_wide_after_a_snapshot_saves_what_each_snapshot_saw(tmp_path):
+    group, t = one_trajectory_group("g")
+    narrow = list(range(4 * WIDTH))  # the first reply: ids below 256, rows of positions 0..3
+    t.append([5, 6], [-0.5, -0.25], 0, replay=SegmentReplay(routed_start=0, routed=int32_bytes(narrow),
+                                                           routed_width=WIDTH))
+    t.status = TrajectoryStatus.ABORTED
+    buf = PartialBuffer()
+    buf.put(group)
+    saver = checkpoints(tmp_path, buf)
+    saver.snapshot(0, policy_version=0)
+    wide = [300 + v for v in range(2 * WIDTH)]  # the next reply: positions 4..5, an expert beyond a byte
+    [taken] = buf.take(1, 1)
+    t = taken.trajectories[0]
+    t.append([7, 8], [-0.1, -0.2], 1, replay=SegmentReplay(routed_start=4, routed=int32_bytes(wide),
+                                                          routed_width=WIDTH))
+    assert t.replay.routed_itemsize == 4
+    buf.put(taken)
+    saver.snapshot(1, policy_version=1)
+    saver.save(0, policy_version=0)
+    saver.save(1, policy_version=1)
+    for rollout_id, itemsize, values in ((0, 1, narrow), (1, 4, narrow + wide)):
+        loaded = PartialBuffer()
+        checkpoints(tmp_path, loaded).load(rollout_id)
+        back = loaded.groups()[0].trajectories[0].replay
+        assert back.routed_itemsize == itemsize and back.routed_int32() == int32_bytes(values)
+
+
+def test_a_format_3_file_still_loads(tmp_path):
+    from pathlib import Path
+
+    from tests.support.state_fixture import FIXTURE_POLICY_VERSION, FIXTURE_ROLLOUT, fixture_buffer
+
+    folder = tmp_path / "ckpt" / "rollout"
+    folder.mkdir(parents=True)
+    fixture = Path(__file__).parent / "data" / "april_state_format3.bin"
+    (folder / f"april_state_{FIXTURE_ROLLOUT}.bin").write_bytes(fixture.read_bytes())
+    assert file_index(folder / f"april_state_{FIXTURE_ROLLOUT}.bin")["format"] == 3
+    loaded, prompts = PartialBuffer(priority="fifo"), Prompts()
+    assert checkpoints(tmp_path, loaded, prompts).load(FIXTURE_ROLLOUT).policy_version == FIXTURE_POLICY_VERSION
+    expected = fixture_buffer()
+    assert loaded.state_dict() == expected.state_dict() and prompts.sample_offset == 11
+    narrow, wide = (loaded.groups()[k].trajectories[1].replay for k in (0, 1))
+    assert (narrow.routed_itemsize, wide.routed_itemsize) == (1, 4)  # uint8 on disk is uint8 in memory
+    assert narrow.routed_int32() == expected.groups()[0].trajectories[1].replay.routed_int32()
+    assert loaded.groups()[3].trajectories[0].episode_sample["rows"] == bytes(range(24))
+    # saved again, it is written in the current format and reads back the same
+    checkpoints(tmp_path, loaded).save(FIXTURE_ROLLOUT, FIXTURE_POLICY_VERSION)
+    assert file_index(folder / f"april_state_{FIXTURE_ROLLOUT}.bin")["format"] == checkpoint.STATE_FORMAT
+    again = PartialBuffer(priority="fifo")
+    checkpoints(tmp_path, again).load(FIXTURE_ROLLOUT)
+    assert again.state_dict() == expected.state_dict()
+
+
+def test_an_earlier_versions_int32_rows_are_narrowed_on_load(tmp_path):
+    buf = PartialBuffer()
+    buf.put(routed_group("g"))
+    state = buf.state_dict()
+    for t in state["groups"][0]["trajectories"]:  # as a version that held int32 rows saved them
+        t["replay"]["routed"] = np.frombuffer(t["replay"].pop("routed"), np.uint8).astype("<i4").tobytes()
+        del t["replay"]["routed_itemsize"]
+    folder = tmp_path / "ckpt" / "rollout"
+    folder.mkdir(parents=True)
+    (folder / "april_state_0.json").write_text(json.dumps(
+        {"format": 2, "rollout_id": 0, "policy_version": 1, "prompt_state": {}, "buffer": state},
+        default=lambda b: __import__("base64").b64encode(b).decode("ascii")))
+    loaded = PartialBuffer()
+    checkpoints(tmp_path, loaded).load(0)
+    assert loaded.state_dict() == buf.state_dict()
+    assert all(t.replay.routed_itemsize == 1 for t in loaded.groups()[0].trajectories)
+
+
+def rewrite_index(path, change) -> None:
+    """``path`` with its index changed by ``change`` (the arrays' bytes as they were)."""
+    data = path.read_bytes()
+    length = int.from_bytes(data[8:16], "little")
+    index = json.loads(data[16:16 + length])
+    change(index)
+    start = 16 + length
+    text = json.dumps(index).encode()
+    head = data[:8] + len(text).to_bytes(8, "little") + text
+    path.write_bytes(head + b"\0" * (-len(head) % 64) + data[start + -start % 64:])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda ix: ix["trajectories"]["replay"][0].update(routed_itemsize=4),
+     "routed experts of 1-byte values where the index says 4"),
+    (lambda ix: ix["trajectories"]["response_ids"].__setitem__(1, 10 ** 6), "'g/1': response_ids refers to no array"),
+    (lambda ix: ix["trajectories"]["uid"].pop(), "do not hold 2 values each"),
+    (lambda ix: ix.update(array_dtypes="x" + ix["array_dtypes"][1:]), "array dtypes ['x']"),
+    (lambda ix: ix["array_counts"].__setitem__(0, -1), "array counts are not all integers >= 0"),
+    (lambda ix: ix.update(format=9), "state format 9"),
+    (lambda ix: ix.update(trajectories=None), "do not hold 2 values each"),
+])
+def test_a_damaged_index_is_refused_naming_the_file(tmp_path, change, message):
+    buf = PartialBuffer()
+    buf.put(routed_group("g"))
+    path = saved_file(tmp_path, buf)
+    rewrite_index(path, lambda ix: None)
+    loaded = PartialBuffer()
+    checkpoints(tmp_path, loaded).load(0)  # the rewriting itself keeps the file whole
+    assert loaded.state_dict() == buf.state_dict()
+    rewrite_index(path, change)
+    with pytest.raises(StateFileError) as err:
+        checkpoints(tmp_path, PartialBuffer()).load(0)
+    assert str(err.value).startswith(f"{path}:") and message in str(err.value)
+
+
+def test_a_state_file_is_whole_however_few_bytes_each_write_takes(tmp_path, monkeypatch):
+    import os
+
+    calls = []
+
+    def short_write(fd, views):  # at most 5 bytes of the first view that has any
+        calls.append(fd)
+        first = next((v for v in views if len(v)), b"")
+        return os.write(fd, bytes(first[:5]))
+
+    buf = PartialBuffer()
+    buf.put(routed_group("g"))
+    monkeypatch.setattr(os, "writev", short_write)
+    path = saved_file(tmp_path, buf)
+    monkeypatch.undo()
+    assert len(calls) > path.stat().st_size // 5
+    loaded = PartialBuffer()
+    checkpoints(tmp_path, loaded).load(0)
+    assert loaded.state_dict() == buf.state_dict()

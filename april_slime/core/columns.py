@@ -71,13 +71,19 @@ class Column(Sequence):
     __slots__ = ("_chunks", "_len", "dtype")
 
     def __init__(self, chunks: tuple[np.ndarray, ...] = (), dtype: np.dtype = TOKEN_DTYPE) -> None:
-        self._chunks = tuple(c for c in chunks if len(c))
-        self._len = sum(len(c) for c in self._chunks)
+        if type(chunks) is tuple and len(chunks) == 1:  # the common case, made cheap: a restore makes thousands
+            self._len = len(chunks[0])
+            self._chunks = chunks if self._len else ()
+        else:
+            self._chunks = tuple(c for c in chunks if len(c))
+            self._len = sum(len(c) for c in self._chunks)
         self.dtype = dtype
 
     @classmethod
     def of(cls, values: Any, dtype: np.dtype, what: str = "column") -> Column:
         """A column of ``values`` (itself when it already is one of ``dtype``)."""
+        if isinstance(values, np.ndarray):  # first: an isinstance check against the Sequence ABC is slow
+            return cls((frozen_array(values, dtype, what),), dtype)
         if isinstance(values, Column) and values.dtype == dtype:
             return values
         if isinstance(values, Column):

@@ -480,7 +480,8 @@ def _rows_run_before(episode: Episode, input_ids: list[int]) -> TokenReplay | No
         ran = len(t.prompt_ids) + len(t.response_ids)
         if ran <= len(input_ids) and input_ids[:len(t.prompt_ids)] == t.prompt_ids and (
                 input_ids[len(t.prompt_ids):ran] == t.response_ids):
-            return TokenReplay(routed_width=held.routed_width, routed=held.routed.frozen())
+            return TokenReplay(routed_width=held.routed_width, routed=held.routed.frozen(),
+                               routed_itemsize=held.routed_itemsize)
     return None
 
 

@@ -37,7 +37,7 @@ from typing import Any
 from aiohttp import web
 
 from april_slime.core.episodes import CallRequest, EpisodeError, ModelCall
-from april_slime.core.replay import INT32, int32_bytes
+from april_slime.core.replay import int32_bytes
 from april_slime.core.sglang_protocol import check_token_ids
 from april_slime.core.types import Trajectory, TrajectoryStatus
 
@@ -305,7 +305,7 @@ def _routed_fields(call: ModelCall, routed_width: int) -> dict:
     rows = t.replay.routed_rows
     if start > rows:
         raise EpisodeError(f"routed_experts_start_len {start} is past the {rows} positions the call ran")
-    raw = bytes(t.replay.routed[start * routed_width * INT32:])
+    raw = t.replay.routed_int32(start)  # int32, as SGLang sends them, whatever they are held as
     return {"routed_experts": base64.b64encode(raw).decode("ascii")}
 
 

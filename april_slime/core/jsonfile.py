@@ -18,7 +18,10 @@ from typing import Any
 Buffer = bytes | bytearray | memoryview  # and any object with the buffer protocol (numpy arrays)
 
 TMP_SUFFIX = ".tmp"
-WRITE_BUFFER_BYTES = 8 << 20
+# a state file's blocks are thousands of arrays (a few per trajectory): they are handed to the
+# kernel many at a time (writev) rather than copied into a buffer first, which cost as much again
+WRITE_BATCH_BYTES = 64 << 20
+WRITE_BATCH_BLOCKS = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 
 class StateFileError(ValueError):
@@ -68,24 +71,33 @@ def write_blocks_atomic(path: str | os.PathLike, blocks: Iterable[Buffer], total
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(path), suffix=TMP_SUFFIX, dir=path.parent)
     try:
-        # a large buffer: the blocks of a state file are many small arrays (one per trajectory),
-        # and one system call each would cost more than copying them into it
-        with os.fdopen(fd, "wb", buffering=WRITE_BUFFER_BYTES) as f:
+        try:
             written, half = 0, total // 2
+            batch: list[memoryview] = []
+            batch_bytes = 0
             for block in blocks:
                 view = memoryview(block).cast("B")
                 if written <= half < written + len(view):
-                    _write_all(f, view[:half - written])
+                    batch.append(view[:half - written])
+                    _write_all(fd, batch)
+                    batch, batch_bytes = [], 0
                     point("tmp_partial")
                     view = view[half - written:]
                     written = half
-                _write_all(f, view)
+                batch.append(view)
+                batch_bytes += len(view)
                 written += len(view)
+                if len(batch) >= WRITE_BATCH_BLOCKS or batch_bytes >= WRITE_BATCH_BYTES:
+                    _write_all(fd, batch)
+                    batch, batch_bytes = [], 0
+            _write_all(fd, batch)
             if written != total:
                 raise ValueError(f"{path}: {written} bytes written where {total} were announced")
             if total == 0:
                 point("tmp_partial")
-            os.fsync(f.fileno())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         point("tmp_synced")
         os.replace(tmp, path)
     except Exception:
@@ -99,9 +111,19 @@ def write_blocks_atomic(path: str | os.PathLike, blocks: Iterable[Buffer], total
     fsync_dir(path.parent)
 
 
-def _write_all(f: Any, view: memoryview) -> None:
-    while view:  # a raw write may take less than it was given (a buffered one takes all)
-        view = view[f.write(view):]
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """Write ``views`` in order, however many bytes each system call takes."""
+    while views:
+        done = os.writev(fd, views)
+        if done == 0 and any(views):
+            raise OSError(f"writing {sum(map(len, views))} bytes: the file takes none")
+        n = 0
+        while n < len(views) and done >= len(views[n]):
+            done -= len(views[n])
+            n += 1
+        views = views[n:]
+        if views:
+            views[0] = views[0][done:]
 
 
 def fsync_file(path: str | os.PathLike) -> None:

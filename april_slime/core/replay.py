@@ -49,12 +49,19 @@ than generated them. Here each generated token keeps the routing it was sampled 
 observation gets the rows of the one call that ran it as prompt (for the last observation, the
 rows slime's path gives it too).
 
-**Storage.** Raw little-endian int32 bytes (rows x layers x topk x 4 for the experts): a Python
-list of ints would take about nine times the memory. They are held as immutable pieces
+**Storage.** Raw little-endian bytes: a Python list of ints would take about nine times the
+memory. The routed experts are held as uint8 (rows x layers x topk bytes) when every expert id of
+a trajectory's rows is below 256 (a MoE of up to 256 experts), a quarter of the int32 an engine
+sends: each reply's rows are narrowed as they arrive, and a trajectory whose later reply holds an
+id of 256 or more widens what it holds to int32 once and keeps int32 from then on
+(``routed_itemsize`` says which). They are widened back to slime's int32 only where int32 is
+handed out: the slime sample (``routed_int32``, ``stitch_calls``) and an agent's SGLang-format
+reply (``core.front``). They are held as immutable pieces
 (``core.columns.ByteChunks``): a reply adds a piece, so a buffer snapshot (taken every step) shares
 them instead of copying (``to_dict(shared=True)``); ``to_dict()`` hands out ``bytes``, and the
-checkpoint writes the pieces as raw arrays (``core.state_file``), the routed experts as uint8 when
-every expert id fits. ``from_dict`` reads bytes, pieces or base64 (a JSON checkpoint's). Top-p
+checkpoint writes the pieces as raw arrays as they are held (``core.state_file``). ``from_dict``
+reads bytes, pieces or base64 (a JSON checkpoint's); a state saved before rows were held as uint8
+(no ``routed_itemsize``: int32 rows) is narrowed on load when its ids fit. Top-p
 sets are kept as kept ids plus one count per token (concatenation and truncation need no offset
 arithmetic); slime's offsets are their prefix sums. Log-probs are little-endian float32 bytes,
 the dtype slime keeps them in.
@@ -70,9 +77,12 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from april_slime.core.columns import ByteChunks
 
 INT32 = 4  # bytes per stored value (int32 and float32 alike)
+UINT8 = 1  # bytes per routed expert id held narrowed (every id of the rows below 256)
 # TokenReplay's arrays, in the order a checkpoint writes them
 _ARRAYS = ("routed", "top_p_ids", "top_p_counts", "top_p_log_probs", "topk_ids", "topk_log_probs")
 
@@ -183,16 +193,40 @@ def float32_bytes(values: Any) -> bytes:
     return _le_bytes(values, "f")
 
 
-def _read(value: str | bytes | memoryview | tuple | None, what: str) -> ByteChunks | None:
-    """A saved int32 or float32 array: ``bytes`` or a snapshot's pieces (an in-memory state, read
-    without a copy) or base64 (a JSON checkpoint file)."""
+def fits_uint8(raw: bytes | bytearray | memoryview) -> bool:
+    """Whether every value of little-endian int32 ``raw`` is an expert id in [0, 256)."""
+    values = np.frombuffer(raw, "<i4")
+    return not len(values) or (int(values.min()) >= 0 and int(values.max()) < 256)
+
+
+def narrowed(raw: bytes | bytearray | memoryview) -> bytes:
+    """Little-endian int32 ids that fit a byte (``fits_uint8``) -> one byte each."""
+    return np.frombuffer(raw, "<i4").astype(np.uint8).tobytes()
+
+
+def widened(raw: bytes | bytearray | memoryview, itemsize: int) -> bytes:
+    """Routed-experts ids held ``itemsize`` bytes each -> little-endian int32 bytes (slime's dtype)."""
+    if itemsize == INT32:
+        return bytes(raw)
+    return np.frombuffer(raw, np.uint8).astype("<i4").tobytes()
+
+
+def _read(value: str | bytes | memoryview | tuple | None, what: str, itemsize: int = INT32) -> ByteChunks | None:
+    """A saved array of ``itemsize``-byte values (int32, float32, uint8 routed experts): ``bytes``
+    or a snapshot's pieces (an in-memory state, read without a copy) or base64 (a JSON checkpoint
+    file)."""
     if value is None:
         return None
     if isinstance(value, (bytes, bytearray, memoryview, tuple)):
         raw = ByteChunks(value)
-        if len(raw) % INT32:
+        if len(raw) % itemsize:
             raise ValueError(f"{what} holds {len(raw)} bytes, not whole int32 values")
         return raw
+    if itemsize == UINT8 and isinstance(value, str):
+        try:
+            return ByteChunks(base64.b64decode(value.encode("ascii"), validate=True))
+        except (binascii.Error, UnicodeEncodeError) as e:
+            raise ValueError(f"{what} is not base64: {e}") from None
     return ByteChunks(decode_int32(value, what))
 
 
@@ -217,8 +251,12 @@ class SegmentReplay:
 @dataclass
 class TokenReplay:
     """A trajectory's replay data: routed experts of positions ``[0, routed_rows)`` (``routed_width``
-    int32 per row), the top-p kept ids (and their log-probs) of its first ``top_p_tokens`` response
-    tokens, and the sampler top-k rows (``topk`` ids and log-probs) of its first ``topk_tokens``."""
+    ids per row, each ``routed_itemsize`` bytes: 1 for uint8, 4 for int32), the top-p kept ids (and
+    their log-probs) of its first ``top_p_tokens`` response tokens, and the sampler top-k rows
+    (``topk`` ids and log-probs) of its first ``topk_tokens``.
+
+    Assigning raw bytes (not ``ByteChunks`` or a snapshot's pieces) to ``routed`` means int32 rows,
+    as an engine sends them: ``routed_itemsize`` becomes 4 (``narrow_routed`` narrows them)."""
 
     routed_width: int = 0
     routed: ByteChunks | None = None
@@ -228,17 +266,40 @@ class TokenReplay:
     topk: int = 0
     topk_ids: ByteChunks | None = None
     topk_log_probs: ByteChunks | None = None
+    routed_itemsize: int = INT32  # bytes per routed expert id held: UINT8 or INT32
 
     def __setattr__(self, name: str, value: Any) -> None:
         # every array is held as immutable pieces, whatever a caller assigns (bytes, a bytearray):
         # the checkpoint's snapshots share them (core.columns)
         if name in _ARRAYS and value is not None and not isinstance(value, ByteChunks):
+            if name == "routed" and not isinstance(value, tuple):  # raw bytes: int32 rows
+                object.__setattr__(self, "routed_itemsize", INT32)
             value = ByteChunks(value)
         object.__setattr__(self, name, value)
 
     @property
     def routed_rows(self) -> int:
-        return len(self.routed) // (INT32 * self.routed_width) if self.routed and self.routed_width else 0
+        if not self.routed or not self.routed_width:
+            return 0
+        return len(self.routed) // (self.routed_itemsize * self.routed_width)
+
+    def routed_int32(self, start: int = 0, stop: int | None = None) -> bytes:
+        """The routed experts of positions ``[start, stop)`` (default: to the last held) as slime
+        and SGLang hand them out: little-endian int32, whatever they are held as."""
+        if self.routed is None:
+            return b""
+        row = self.routed_width * self.routed_itemsize
+        stop = self.routed_rows if stop is None else stop
+        return widened(self.routed[start * row:stop * row], self.routed_itemsize)
+
+    def narrow_routed(self) -> None:
+        """Hold int32 routed rows as uint8 when every id fits (a no-op otherwise)."""
+        if self.routed is None or self.routed_itemsize != INT32:
+            return
+        raw = bytes(self.routed)
+        if fits_uint8(raw):
+            object.__setattr__(self, "routed", ByteChunks(narrowed(raw)))
+            object.__setattr__(self, "routed_itemsize", UINT8)
 
     @property
     def top_p_tokens(self) -> int:
@@ -309,12 +370,7 @@ class TokenReplay:
                 raise ValueError(f"sampler top-{self.topk} rows are held for {self.topk_tokens} of the "
                                  f"{response_len} response tokens before this top-{seg.topk} call")
         if routed is not None:
-            keep, rows = routed
-            if self.routed is None:
-                self.routed = ByteChunks()
-            self.routed_width = seg.routed_width
-            del self.routed[keep * self.routed_width * INT32:]
-            self.routed += rows
+            self._add_routed(seg.routed_width, *routed)
         if seg.top_p_counts is not None:
             if self.top_p_counts is None:
                 self.top_p_ids, self.top_p_counts = ByteChunks(), ByteChunks()
@@ -331,11 +387,27 @@ class TokenReplay:
             self.topk_ids += seg.topk_ids
             self.topk_log_probs += seg.topk_log_probs
 
+    def _add_routed(self, width: int, keep: int, rows: bytes) -> None:
+        """Keep the first ``keep`` rows held and append ``rows`` (int32, checked by ``extend``):
+        as uint8 when what is kept is uint8 (or nothing) and the new ids fit, else as int32, the
+        kept rows widened once if they were uint8."""
+        kept = self.routed if self.routed is not None and keep else ByteChunks()
+        itemsize = self.routed_itemsize if keep else UINT8
+        del kept[keep * width * itemsize:]
+        if itemsize == UINT8 and fits_uint8(rows):
+            rows = narrowed(rows)
+        elif itemsize == UINT8:  # an id of 256 or more: int32 from here on
+            kept, itemsize = ByteChunks(widened(bytes(kept), UINT8)), INT32
+        kept += rows
+        object.__setattr__(self, "routed", kept)
+        object.__setattr__(self, "routed_itemsize", itemsize)
+        self.routed_width = width
+
     def truncate(self, prompt_len: int, response_len: int) -> None:
         """Keep what covers the first ``response_len`` response tokens."""
         if self.routed is not None:
             rows = prompt_len + response_len - 1 if response_len else 0
-            del self.routed[rows * self.routed_width * INT32:]
+            del self.routed[rows * self.routed_width * self.routed_itemsize:]
         if self.top_p_counts is not None:
             counts = int32_values(self.top_p_counts[:response_len * INT32])
             del self.top_p_counts[response_len * INT32:]
@@ -357,7 +429,8 @@ class TokenReplay:
     def to_dict(self, *, shared: bool = False) -> dict[str, Any]:
         """Plain data but for the arrays, which are ``bytes`` (see the module docstring); with
         ``shared``, the arrays' immutable pieces themselves (a snapshot's: no copy)."""
-        out: dict[str, Any] = {"routed_width": self.routed_width, "topk": self.topk}
+        out: dict[str, Any] = {"routed_width": self.routed_width, "routed_itemsize": self.routed_itemsize,
+                               "topk": self.topk}
         for name in _ARRAYS:
             raw = getattr(self, name)
             out[name] = None if raw is None else (raw.frozen() if shared else bytes(raw))
@@ -365,17 +438,22 @@ class TokenReplay:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TokenReplay:
-        replay = cls(routed_width=int(d.get("routed_width", 0)),
-                     routed=_read(d.get("routed"), "replay.routed"),
+        itemsize = d.get("routed_itemsize", INT32)
+        if itemsize not in (UINT8, INT32):
+            raise ValueError(f"replay.routed_itemsize: {itemsize!r}, not {UINT8} (uint8) or {INT32} (int32)")
+        replay = cls(routed_width=int(d.get("routed_width", 0)), routed_itemsize=itemsize,
+                     routed=_read(d.get("routed"), "replay.routed", itemsize),
                      top_p_ids=_read(d.get("top_p_ids"), "replay.top_p_ids"),
                      top_p_counts=_read(d.get("top_p_counts"), "replay.top_p_counts"),
                      top_p_log_probs=_read(d.get("top_p_log_probs"), "replay.top_p_log_probs"),
                      topk=int(d.get("topk", 0)), topk_ids=_read(d.get("topk_ids"), "replay.topk_ids"),
                      topk_log_probs=_read(d.get("topk_log_probs"), "replay.topk_log_probs"))
         if replay.routed is not None and (not replay.routed_width
-                                          or len(replay.routed) % (INT32 * replay.routed_width)):
+                                          or len(replay.routed) % (itemsize * replay.routed_width)):
             raise ValueError(f"replay.routed: {len(replay.routed)} bytes are not rows of "
-                             f"{replay.routed_width} int32")
+                             f"{replay.routed_width} {'uint8' if itemsize == UINT8 else 'int32'}")
+        if "routed_itemsize" not in d:  # saved before rows were held narrowed: int32
+            replay.narrow_routed()
         if (replay.top_p_ids is None) != (replay.top_p_counts is None):
             raise ValueError("replay: top-p kept ids without their counts (or the reverse)")
         if replay.top_p_counts is not None and sum(int32_values(replay.top_p_counts)) * INT32 != len(
@@ -405,7 +483,7 @@ def stitch_calls(width: int, rows: int, calls: list[TokenReplay | None]) -> byte
         if ran > rows:
             raise ValueError(f"model call {n} ran {ran} positions of a sample of {rows + 1} tokens")
         if ran > held:
-            out += replay.routed[held * row_bytes:ran * row_bytes]
+            out += replay.routed_int32(held, ran)
             held = ran
     if rows and not held:
         raise ValueError("no model call ran any position of the sample")

@@ -344,13 +344,9 @@ class _Step:
     async def _next_events(self, timeout: float | None = None) -> bool:
         """Handle one event (waiting at most ``timeout`` for it), then every event already queued.
         Returns False when nothing arrived in time."""
-        try:
-            if timeout is None:
+        try:  # a deadline on this task itself (asyncio.wait_for would make a task per wait)
+            async with asyncio.timeout(None if timeout is None else max(timeout, 0.0)):
                 event = await self.ctx.events.get()
-            else:
-                # a deadline on this task itself: wait_for would wrap every wait in a task of its own
-                async with asyncio.timeout(max(timeout, 0.0)):
-                    event = await self.ctx.events.get()
         except TimeoutError:
             return False
         self._handle(event)

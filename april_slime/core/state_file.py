@@ -10,20 +10,30 @@ Layout of ``april_state_<N>.bin``::
     MAGIC (8 bytes) | index length L (8 bytes, little-endian) | index (L bytes of UTF-8 JSON)
     | padding to a multiple of 64 | the arrays' bytes, in the index's order
 
-The index is the state (``core.checkpoint``: format, rollout id, policy version, prompt position,
-buffer) where each array is replaced by ``{"array": k}``, plus ``arrays``: ``[dtype, count]`` for
-every k. A trajectory's prompt ids are written once per group when its trajectories share them.
-The routed experts are written as uint8 when every expert id is below 256 (a MoE of up to 256
-experts; 4 bytes per value otherwise) and widened back to int32 on load. Reading checks the magic,
-the index and that the file's size is exactly what the index announces, so a truncated or
-corrupt file is an error naming it, never a short buffer.
+Format 4 (written). The index is the state (``core.checkpoint``: format, rollout id, policy
+version, prompt position, buffer) with the trajectories as columns: ``trajectories`` maps each
+field of ``Trajectory.to_dict`` to the list of its values over every trajectory, in the order of
+the groups (each group says how many of them are its own, ``"trajectories": n``). An array is
+referred to by its number k; ``array_dtypes`` (one letter per array: ``i`` int32, ``d`` float64,
+``f`` float32, ``b`` uint8) and ``array_counts`` (values per array) describe them all. A
+trajectory's prompt ids are written once per group when its trajectories share them; the routed
+experts are written as they are held (uint8 when every id is below 256, ``core.replay``) and read
+back so. The columns cost one JSON value per field and trajectory instead of a keyed object each,
+and reading them back builds one dict per trajectory from the lists.
+
+Format 3 (read). One JSON object per trajectory whose arrays are ``{"array": k}``, and ``arrays``:
+``[dtype, count]`` for every k; routed experts narrowed to uint8 on disk when they fit, which are
+now held so.
+
+Reading checks the magic, the index and that the file's size is exactly what the index announces,
+so a truncated or corrupt file is an error naming it, never a short buffer. The arrays are read
+with one read into one block; the restored arrays are read-only views of it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,122 +45,118 @@ from april_slime.core.jsonfile import StateFileError
 MAGIC = b"APRILST\x00"
 _ALIGN = 64
 _DTYPES = {"<i4": np.dtype("<i4"), "<f8": np.dtype("<f8"), "<f4": np.dtype("<f4"), "|u1": np.dtype("u1")}
+_LETTERS = {"i": "<i4", "d": "<f8", "f": "<f4", "b": "|u1"}  # format 4's array_dtypes
+_LETTER_OF = {dtype: letter for letter, dtype in _LETTERS.items()}
 BYTES_KEY = "__april_bytes__"  # {BYTES_KEY: k}: array k, read back as ``bytes``
-_BLOCK = 1 << 24  # bytes of int32 narrowed to uint8 at a time (bounds the write's scratch memory)
-# replay arrays: stored dtype, or None for the routed experts (narrowed when they fit)
+# replay arrays and their stored dtype (None: the routed experts, as held: uint8 or int32)
 _REPLAY_DTYPES = {"routed": None, "top_p_ids": "<i4", "top_p_counts": "<i4", "top_p_log_probs": "<f4",
                   "topk_ids": "<i4", "topk_log_probs": "<f4"}
-
-
-class _Array:
-    """One array of the file: its stored dtype and count, and how to produce its bytes."""
-
-    __slots__ = ("dtype", "count", "pieces", "narrow")
-
-    def __init__(self, dtype: str, count: int, pieces: tuple, narrow: bool = False) -> None:
-        self.dtype, self.count, self.pieces, self.narrow = dtype, count, pieces, narrow
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * _DTYPES[self.dtype].itemsize
-
-    def blocks(self) -> Iterator[Any]:
-        for piece in self.pieces:
-            if not self.narrow:
-                yield piece
-                continue
-            values = np.frombuffer(piece, dtype="<i4")
-            for start in range(0, len(values), _BLOCK):
-                yield values[start:start + _BLOCK].astype(np.uint8)
+_COLUMNS = ("prompt_ids", "response_ids", "logprobs")
+_EPISODE = ("episode_sample", "episode_samples")
 
 
 class _Writer:
     def __init__(self) -> None:
-        self.arrays: list[_Array] = []
+        self.dtypes: list[str] = []
+        self.counts: list[int] = []
+        self.pieces: list[tuple] = []
         self._by_identity: dict[tuple, int] = {}  # (dtype, ids of its pieces) -> array index
         self._held: list[Any] = []
 
-    def column(self, column: Column) -> dict[str, int]:
-        return {"array": self._add(_Array(column.dtype.str, len(column), column.chunks))}
+    def column(self, column: Any) -> Any:
+        if not isinstance(column, Column):  # plain data: written in the index
+            return column
+        return self._add(column.dtype.str, len(column), column.chunks)
 
-    def prompt(self, column: Column) -> dict[str, int]:
+    def prompt(self, column: Any) -> Any:
         # prompts holding the same pieces (a group's, shared by its trajectories) are written
         # once; the columns are held, so no id is reused while the index is built
+        if not isinstance(column, Column):
+            return column
         key = (column.dtype.str, *map(id, column.chunks))
         known = self._by_identity.get(key)
         if known is None:
-            known = self._add(_Array(column.dtype.str, len(column), column.chunks))
+            known = self._add(column.dtype.str, len(column), column.chunks)
             self._by_identity[key] = known
             self._held.append(column)
-        return {"array": known}
+        return known
 
-    def replay(self, name: str, pieces: tuple[bytes, ...] | None) -> dict[str, int] | None:
-        if pieces is None:
+    def replay(self, replay: dict[str, Any] | None) -> dict[str, Any] | None:
+        if replay is None:
             return None
-        total = sum(len(p) for p in pieces)
-        dtype, narrow = _REPLAY_DTYPES[name], False
-        if dtype is None:  # routed experts: uint8 when every id fits
-            narrow = all(not len(p) or int(np.frombuffer(p, "<i4").max()) < 256
-                         and int(np.frombuffer(p, "<i4").min()) >= 0 for p in pieces)
-            dtype = "|u1" if narrow else "<i4"
-        return {"array": self._add(_Array(dtype, total // 4, pieces, narrow))}
+        out = dict(replay)
+        for name, dtype in _REPLAY_DTYPES.items():
+            pieces = replay.get(name)
+            if pieces is None:
+                continue
+            pieces = (pieces,) if isinstance(pieces, (bytes, bytearray, memoryview)) else tuple(pieces)
+            if dtype is None:
+                dtype = "|u1" if replay.get("routed_itemsize", 4) == 1 else "<i4"
+            total = sum(len(p) for p in pieces)
+            out[name] = self._add(dtype, total // _DTYPES[dtype].itemsize, pieces)
+        return out
 
     def refer_bytes(self, value: Any) -> Any:
         """``value`` with every ``bytes`` in it (a finished episode's samples keep their replay
         rows as bytes) written as an array and referred to by ``{BYTES_KEY: k}``."""
         if isinstance(value, bytes):
-            return {BYTES_KEY: self._add(_Array("|u1", len(value), (value,)))}
+            return {BYTES_KEY: self._add("|u1", len(value), (value,))}
         if isinstance(value, dict):
             return {key: self.refer_bytes(v) for key, v in value.items()}
         if isinstance(value, list):
             return [self.refer_bytes(v) for v in value]
         return value
 
-    def _add(self, array: _Array) -> int:
-        self.arrays.append(array)
-        return len(self.arrays) - 1
+    def _add(self, dtype: str, count: int, pieces: tuple) -> int:
+        self.dtypes.append(_LETTER_OF[dtype])
+        self.counts.append(count)
+        self.pieces.append(pieces)
+        return len(self.counts) - 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_DTYPES[_LETTERS[d]].itemsize * n for d, n in zip(self.dtypes, self.counts))
+
+
+def _trajectory_columns(groups: list[dict[str, Any]], writer: _Writer) -> dict[str, list]:
+    """The trajectories of ``groups`` as one list per field, their arrays given to ``writer``."""
+    trajectories = [t for g in groups for t in g["trajectories"]]
+    if not trajectories:
+        return {}
+    keys = trajectories[0].keys()
+    for t in trajectories:
+        if t.keys() != keys:
+            raise ValueError(f"trajectory {t.get('uid')!r}: fields {sorted(t)} differ from {sorted(keys)}")
+    columns = {key: [t[key] for t in trajectories] for key in keys}
+    for name in _COLUMNS:
+        if name in columns:
+            add = writer.prompt if name == "prompt_ids" else writer.column
+            columns[name] = [add(v) for v in columns[name]]
+    if "replay" in columns:
+        columns["replay"] = [writer.replay(v) for v in columns["replay"]]
+    for name in _EPISODE:
+        if name in columns:
+            columns[name] = [None if v is None else writer.refer_bytes(v) for v in columns[name]]
+    return columns
 
 
 def encode(state: dict[str, Any]) -> tuple[list[Any], int]:
     """The blocks of the file of ``state`` (a data-source state whose buffer groups come from
     ``Group.to_dict(shared=True)``) and its size in bytes. Nothing is copied but the index."""
     writer = _Writer()
-    groups = []
-    for group in state["buffer"]["groups"]:
-        prompt = writer.prompt(group["prompt_ids"]) if isinstance(group["prompt_ids"], Column) else None
-        trajectories = []
-        for t in group["trajectories"]:
-            t = dict(t)
-            if isinstance(t["prompt_ids"], Column):
-                t["prompt_ids"] = writer.prompt(t["prompt_ids"])
-            for name in ("response_ids", "logprobs"):
-                if isinstance(t[name], Column):
-                    t[name] = writer.column(t[name])
-            if t.get("replay") is not None:
-                t["replay"] = {key: (writer.replay(key, value) if key in _REPLAY_DTYPES else value)
-                               for key, value in t["replay"].items()}
-            for name in ("episode_sample", "episode_samples"):
-                if t.get(name) is not None:
-                    t[name] = writer.refer_bytes(t[name])
-            trajectories.append(t)
-        groups.append({**group, "prompt_ids": prompt if prompt is not None else group["prompt_ids"],
-                       "trajectories": trajectories})
-    index = {**state, "buffer": {**state["buffer"], "groups": groups},
-             "arrays": [[a.dtype, a.count] for a in writer.arrays]}
+    source = state["buffer"]["groups"]
+    groups = [{**g, "prompt_ids": writer.prompt(g["prompt_ids"]), "trajectories": len(g["trajectories"])}
+              for g in source]
+    columns = _trajectory_columns(source, writer)
+    index = {**state, "buffer": {**state["buffer"], "groups": groups}, "trajectories": columns,
+             "array_dtypes": "".join(writer.dtypes), "array_counts": writer.counts}
     try:
         text = json.dumps(index, allow_nan=False).encode("utf-8")
     except (TypeError, ValueError) as e:
         raise ValueError(f"rollout {state.get('rollout_id')}: data-source state is not plain JSON ({e})") from e
     head = MAGIC + len(text).to_bytes(8, "little") + text
     head += b"\0" * (-len(head) % _ALIGN)
-    size = len(head) + sum(a.nbytes for a in writer.arrays)
-
-    def blocks() -> Iterator[Any]:
-        yield head
-        for array in writer.arrays:
-            yield from array.blocks()
-
-    return blocks(), size
+    return [head, *(p for pieces in writer.pieces for p in pieces)], len(head) + writer.nbytes
 
 
 def is_binary(path: Path) -> bool:
@@ -158,9 +164,9 @@ def is_binary(path: Path) -> bool:
 
 
 def decode(path: Path) -> dict[str, Any]:
-    """The state in ``path``, its arrays read-only numpy arrays (token columns) and memory views
-    (replay rows) of one block read from the file; every problem is a ``StateFileError`` naming
-    the file."""
+    """The state in ``path``, its arrays ``Column``s (token ids, log-probs) and memory views (replay
+    rows) of one block read from the file; every problem is a ``StateFileError`` naming the
+    file."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -175,101 +181,181 @@ def decode(path: Path) -> dict[str, Any]:
                 index = json.loads(f.read(length).decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise StateFileError(f"{path}: corrupt index ({e})") from e
-            arrays = _array_table(path, index)
+            table = _Arrays.of(path, index)
             start = len(MAGIC) + 8 + length
             start += -start % _ALIGN
-            expected = start + sum(_DTYPES[d].itemsize * n for d, n in arrays)
-            if size != expected:
-                raise StateFileError(f"{path}: {size} bytes where the index announces {expected} "
+            if size != start + table.nbytes:
+                raise StateFileError(f"{path}: {size} bytes where the index announces {start + table.nbytes} "
                                      "(truncated or corrupt)")
             f.seek(start)
             # one read into one block, the arrays as read-only views of it: many small reads cost
             # twice the time. The block lives until the last array restored from it is gone (the
             # restored partials are resumed, trained or dropped within the staleness bound).
-            block = np.empty(expected - start, dtype=np.uint8)
+            block = np.empty(table.nbytes, dtype=np.uint8)
             if f.readinto(memoryview(block)) != len(block):
                 raise StateFileError(f"{path}: shorter than its size while being read")
             block.flags.writeable = False
-            data, offset = [], 0
-            for dtype, count in arrays:
-                nbytes = _DTYPES[dtype].itemsize * count
-                data.append(memoryview(block[offset:offset + nbytes]))
-                offset += nbytes
+            table.block = block
     except FileNotFoundError as e:
         raise StateFileError(f"{path}: missing") from e
     except OSError as e:
         raise StateFileError(f"{path}: cannot be read ({e.strerror or e})") from e
-    return _with_arrays(path, index, arrays, data)
-
-
-def _array_table(path: Path, index: Any) -> list[tuple[str, int]]:
-    table = index.get("arrays") if isinstance(index, dict) else None
-    if not isinstance(table, list):
-        raise StateFileError(f"{path}: the index has no array table")
-    out = []
-    for k, entry in enumerate(table):
-        if (not isinstance(entry, list) or len(entry) != 2 or entry[0] not in _DTYPES
-                or not isinstance(entry[1], int) or isinstance(entry[1], bool) or entry[1] < 0):
-            raise StateFileError(f"{path}: array {k} of the index is {entry!r}, not [dtype, count]")
-        out.append((entry[0], entry[1]))
-    return out
-
-
-def _with_arrays(path: Path, index: dict[str, Any], arrays: list[tuple[str, int]],
-                 data: list[memoryview]) -> dict[str, Any]:
-    def ref(value: Any, what: str) -> int:
-        if not (isinstance(value, dict) and isinstance(value.get("array"), int)
-                and 0 <= value["array"] < len(arrays)):
-            raise StateFileError(f"{path}: {what} refers to no array ({value!r})")
-        return value["array"]
-
-    columns: dict[int, np.ndarray] = {}
-
-    def column(value: Any, what: str) -> Any:
-        if isinstance(value, list):  # written as plain data
-            return value
-        k = ref(value, what)
-        if k not in columns:  # one array per k: what shared a prompt shares it again
-            columns[k] = np.frombuffer(data[k], dtype=_DTYPES[arrays[k][0]])  # read-only, no copy
-        return columns[k]
-
-    def replay_bytes(value: Any, what: str) -> Any:
-        if value is None:
-            return None
-        k = ref(value, what)
-        if arrays[k][0] == "|u1":  # narrowed routed experts: widened to the int32 held in memory
-            return np.frombuffer(data[k], dtype=np.uint8).astype("<i4").tobytes()
-        return data[k]  # a read-only view, held as a piece of the replay's ByteChunks
-
     buffer = index.get("buffer")
     if not isinstance(buffer, dict) or not isinstance(buffer.get("groups"), list):
         raise StateFileError(f"{path}: no buffer state")
     try:
-        for group in buffer["groups"]:
-            group["prompt_ids"] = column(group["prompt_ids"], f"group {group.get('uid')!r}: prompt_ids")
-            for t in group["trajectories"]:
-                where = f"trajectory {t.get('uid')!r}"
-                for name in ("prompt_ids", "response_ids", "logprobs"):
-                    t[name] = column(t[name], f"{where}: {name}")
-                if t.get("replay") is not None:
-                    for name in _REPLAY_DTYPES:
-                        t["replay"][name] = replay_bytes(t["replay"].get(name), f"{where}: replay.{name}")
-                for name in ("episode_sample", "episode_samples"):
-                    if t.get(name) is not None:
-                        t[name] = _with_bytes(t[name], arrays, data)
-    except (KeyError, TypeError, AttributeError) as e:
+        if index.get("format") == 3:
+            _with_arrays_3(table, buffer["groups"])
+            del index["arrays"]
+        else:
+            _with_arrays(table, buffer["groups"], index.pop("trajectories"))
+            del index["array_dtypes"], index["array_counts"]
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise StateFileError(f"{path}: not a valid buffer state ({type(e).__name__}: {e})") from e
-    del index["arrays"]
     return index
 
 
-def _with_bytes(value: Any, arrays: list[tuple[str, int]], data: list[bytes]) -> Any:
-    """``value`` with every ``{BYTES_KEY: k}`` replaced by the bytes of array k."""
-    if isinstance(value, dict):
-        k = value.get(BYTES_KEY)
-        if len(value) == 1 and isinstance(k, int) and 0 <= k < len(arrays) and arrays[k][0] == "|u1":
-            return bytes(data[k])
-        return {key: _with_bytes(v, arrays, data) for key, v in value.items()}
-    if isinstance(value, list):
-        return [_with_bytes(v, arrays, data) for v in value]
-    return value
+class _Arrays:
+    """The arrays of a file: their dtypes, counts and offsets in the block read from it."""
+
+    def __init__(self, path: Path, dtypes: list[np.dtype], counts: list[int]) -> None:
+        self.path, self.dtypes, self.counts = path, dtypes, counts
+        sizes = np.array([d.itemsize for d in dtypes], dtype=np.int64) * np.array(counts, dtype=np.int64)
+        ends = np.cumsum(sizes)
+        self.nbytes = int(ends[-1]) if len(ends) else 0
+        self.offsets = (ends - sizes).tolist()
+        self.block: np.ndarray | None = None
+        self._columns: dict[int, Column] = {}
+
+    @classmethod
+    def of(cls, path: Path, index: Any) -> _Arrays:
+        if not isinstance(index, dict):
+            raise StateFileError(f"{path}: the index is not an object")
+        if index.get("format") not in (3, 4):
+            raise StateFileError(f"{path}: state format {index.get('format')!r}, expected 3 or 4 in a binary file")
+        if index.get("format") == 3:
+            table = index.get("arrays")
+            if not isinstance(table, list):
+                raise StateFileError(f"{path}: the index has no array table")
+            for k, entry in enumerate(table):
+                if (not isinstance(entry, list) or len(entry) != 2 or entry[0] not in _DTYPES
+                        or type(entry[1]) is not int or entry[1] < 0):
+                    raise StateFileError(f"{path}: array {k} of the index is {entry!r}, not [dtype, count]")
+            return cls(path, [_DTYPES[d] for d, _ in table], [n for _, n in table])
+        letters, counts = index.get("array_dtypes"), index.get("array_counts")
+        if not isinstance(letters, str) or not isinstance(counts, list) or len(letters) != len(counts):
+            raise StateFileError(f"{path}: the index has no array table")
+        unknown = set(letters) - _LETTERS.keys()
+        if unknown:
+            raise StateFileError(f"{path}: array dtypes {sorted(unknown)} of the index are none of {sorted(_LETTERS)}")
+        if not all(type(n) is int and n >= 0 for n in counts):
+            raise StateFileError(f"{path}: the index's array counts are not all integers >= 0")
+        dtypes = {letter: _DTYPES[dtype] for letter, dtype in _LETTERS.items()}
+        return cls(path, [dtypes[letter] for letter in letters], counts)
+
+    def _ref(self, k: Any, owner: tuple[str, Any], name: str) -> int:
+        if type(k) is not int or not 0 <= k < len(self.counts):
+            raise StateFileError(f"{self.path}: {owner[0]} {owner[1]!r}: {name} refers to no array ({k!r})")
+        return k
+
+    def column(self, k: Any, owner: tuple[str, Any], name: str) -> Any:
+        """Array k as a ``Column`` of one read-only piece (one per k: the trajectories that shared a
+        prompt share it again); a list is plain data written in the index. ``owner`` (kind, uid)
+        and ``name`` say whose, in errors."""
+        if type(k) is list:
+            return k
+        out = self._columns.get(k) if type(k) is int else None
+        if out is None:
+            k = self._ref(k, owner, name)
+            dtype = self.dtypes[k]
+            out = Column((np.frombuffer(self.block, dtype, self.counts[k], self.offsets[k]),), dtype)
+            self._columns[k] = out
+        return out
+
+    def view(self, k: Any, owner: tuple[str, Any], name: str) -> memoryview:
+        """Array k's bytes: a read-only view, held as a piece of a replay's ``ByteChunks``."""
+        k = self._ref(k, owner, name)
+        start = self.offsets[k]
+        return memoryview(self.block[start:start + self.dtypes[k].itemsize * self.counts[k]])
+
+    def replay(self, value: Any, owner: tuple[str, Any], *, narrowed_on_disk: bool) -> Any:
+        """A trajectory's replay with its arrays' bytes; the routed experts' ``routed_itemsize``
+        is their array's (a format 3 file narrowed them on disk and said nothing in the index)."""
+        if value is None:
+            return None
+        for name in _REPLAY_DTYPES:
+            k = value.get(name)
+            if k is None:
+                continue
+            value[name] = self.view(k, owner, f"replay.{name}")
+            if name == "routed":
+                itemsize = self.dtypes[k].itemsize
+                if narrowed_on_disk:
+                    value["routed_itemsize"] = itemsize
+                elif value.get("routed_itemsize", 4) != itemsize:
+                    raise StateFileError(f"{self.path}: {owner[0]} {owner[1]!r}: routed experts of {itemsize}-byte "
+                                         f"values where the index says {value.get('routed_itemsize', 4)}")
+        return value
+
+    def with_bytes(self, value: Any) -> Any:
+        """``value`` with every ``{BYTES_KEY: k}`` replaced by the bytes of array k."""
+        if isinstance(value, dict):
+            k = value.get(BYTES_KEY)
+            if (len(value) == 1 and type(k) is int and 0 <= k < len(self.counts)
+                    and self.dtypes[k].itemsize == 1):
+                return bytes(self.view(k, ("episode sample", k), BYTES_KEY))
+            return {key: self.with_bytes(v) for key, v in value.items()}
+        if isinstance(value, list):
+            return [self.with_bytes(v) for v in value]
+        return value
+
+
+def _with_arrays(arrays: _Arrays, groups: list[dict[str, Any]], columns: Any) -> None:
+    """Format 4: every group's trajectories as dicts, from the columns, with their arrays."""
+    counts = [g["trajectories"] for g in groups]
+    if not all(type(n) is int and n >= 0 for n in counts):
+        raise StateFileError(f"{arrays.path}: a group's trajectory count is not an integer >= 0")
+    total = sum(counts)
+    if not isinstance(columns, dict) or not all(isinstance(c, list) and len(c) == total for c in columns.values()):
+        raise StateFileError(f"{arrays.path}: the trajectory columns do not hold {total} values each")
+    if total and "uid" not in columns:
+        raise StateFileError(f"{arrays.path}: the trajectory columns have no uid")
+    uids = columns.get("uid", [])
+    for name in _COLUMNS:
+        if name in columns:
+            columns[name] = [arrays.column(k, ("trajectory", uid), name) for k, uid in zip(columns[name], uids)]
+    if "replay" in columns:
+        columns["replay"] = [None if v is None else arrays.replay(v, ("trajectory", uid), narrowed_on_disk=False)
+                             for v, uid in zip(columns["replay"], uids)]
+    for name in _EPISODE:
+        if name in columns:
+            columns[name] = [None if v is None else arrays.with_bytes(v) for v in columns[name]]
+    keys = list(columns)
+    rows = [dict(zip(keys, row)) for row in zip(*columns.values())]
+    start = 0
+    for group, count in zip(groups, counts):
+        group["prompt_ids"] = arrays.column(group["prompt_ids"], ("group", group.get("uid")), "prompt_ids")
+        group["trajectories"] = rows[start:start + count]
+        start += count
+
+
+def _with_arrays_3(arrays: _Arrays, groups: list[dict[str, Any]]) -> None:
+    """Format 3: every trajectory's ``{"array": k}`` replaced by its array."""
+    def ref(value: Any) -> Any:
+        return value if isinstance(value, list) else (value["array"] if isinstance(value, dict) else value)
+
+    for group in groups:
+        group["prompt_ids"] = arrays.column(ref(group["prompt_ids"]), ("group", group.get("uid")), "prompt_ids")
+        for t in group["trajectories"]:
+            where = ("trajectory", t.get("uid"))
+            for name in _COLUMNS:
+                t[name] = arrays.column(ref(t[name]), where, name)
+            replay = t.get("replay")
+            if replay is not None:
+                for name in _REPLAY_DTYPES:
+                    if replay.get(name) is not None:
+                        replay[name] = ref(replay[name])
+                t["replay"] = arrays.replay(replay, where, narrowed_on_disk=True)
+            for name in _EPISODE:
+                if t.get(name) is not None:
+                    t[name] = arrays.with_bytes(t[name])

@@ -16,7 +16,7 @@ with a checkpoint and loaded in another process.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -198,18 +198,17 @@ class Trajectory:
         """Plain data (lists; the replay's arrays as ``bytes``). With ``shared``, the token columns
         and the replay's pieces themselves instead: immutable, so a snapshot holds them without a
         copy (``core.checkpoint``); ``from_dict`` reads both."""
-        def column(values: Column) -> Any:
-            return values if shared else values.tolist()
-
+        columns = (self.prompt_ids, self.response_ids, self.logprobs)
+        prompt_ids, response_ids, logprobs = columns if shared else (c.tolist() for c in columns)
         return {
             "uid": self.uid,
             "group_uid": self.group_uid,
             "index_in_group": self.index_in_group,
-            "prompt_ids": column(self.prompt_ids),
+            "prompt_ids": prompt_ids,
             "max_new_tokens": self.max_new_tokens,
             "sampling_seed": self.sampling_seed,
-            "response_ids": column(self.response_ids),
-            "logprobs": column(self.logprobs),
+            "response_ids": response_ids,
+            "logprobs": logprobs,
             "version_runs": self.version_runs.plain(),
             "status": self.status.value,
             "finish_reason": self.finish_reason,
@@ -227,11 +226,37 @@ class Trajectory:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trajectory:
-        d = dict(d)
-        d["status"] = TrajectoryStatus(d["status"])
-        if d.get("replay") is not None:
-            d["replay"] = TokenReplay.from_dict(d["replay"])
-        return cls(**d)
+        """The trajectory of ``to_dict``'s data (either form). A checkpoint restores thousands at a
+        time, so the record is filled whole rather than through ``__init__``'s assignments (each a
+        call of ``__setattr__``: most of the cost): every field ``__setattr__`` or
+        ``__post_init__`` converts is converted here, and a field missing or unknown raises
+        ``TypeError`` as ``__init__`` would."""
+        names = d.keys()
+        if not names <= _FIELDS.keys() or not names >= _REQUIRED:
+            unknown, missing = sorted(names - _FIELDS.keys()), sorted(_REQUIRED - names)
+            raise TypeError(f"trajectory {d.get('uid')!r}: unknown fields {unknown}, missing fields {missing}")
+        values = {**_PLAIN_DEFAULTS, **d}
+        for name in _MADE_DEFAULTS.keys() - names:
+            values[name] = _MADE_DEFAULTS[name]()
+        uid = values["uid"]
+        for name, column in _TOKEN_COLUMNS.items():
+            values[name] = column(values[name], f"{uid}: {name}")
+        values["status"] = TrajectoryStatus(values["status"])
+        if not isinstance(values["version_runs"], VersionRuns):
+            values["version_runs"] = VersionRuns.of(values["version_runs"])
+        if values["replay"] is not None and not isinstance(values["replay"], TokenReplay):
+            values["replay"] = TokenReplay.from_dict(values["replay"])
+        t = cls.__new__(cls)
+        t.__dict__.update(values)
+        return t
+
+
+# Trajectory.from_dict: the fields, those without a default, and the defaults (values, or made
+# fresh for each trajectory: lists and the mutable version runs)
+_FIELDS = {f.name: f for f in fields(Trajectory)}
+_REQUIRED = frozenset(n for n, f in _FIELDS.items() if f.default is MISSING and f.default_factory is MISSING)
+_PLAIN_DEFAULTS = {n: f.default for n, f in _FIELDS.items() if f.default is not MISSING}
+_MADE_DEFAULTS = {n: f.default_factory for n, f in _FIELDS.items() if f.default_factory is not MISSING}
 
 
 @dataclass

@@ -24,11 +24,12 @@ from collections.abc import Iterable, Iterator, Sequence
 class VersionRuns:
     """``[[version, count], ...]``: the policy version of each of ``total`` tokens, in order."""
 
-    __slots__ = ("_runs",)
+    __slots__ = ("_runs", "_total")
 
     def __init__(self) -> None:
         """No tokens; the builders below make runs from pairs, versions or SGLang's spans."""
         self._runs: list[list[int]] = []
+        self._total = 0  # tokens in all runs, kept as runs are added (checked for every restored trajectory)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -80,6 +81,7 @@ class VersionRuns:
                 self._runs[-1][1] += int(count)
             else:
                 self._runs.append([int(version), int(count)])
+            self._total += int(count)
         return self
 
     def extend_runs(self, other: Iterable[Sequence[int]]) -> VersionRuns:
@@ -113,7 +115,7 @@ class VersionRuns:
 
     @property
     def total(self) -> int:
-        return sum(count for _, count in self._runs)
+        return self._total
 
     def truncated(self, length: int) -> VersionRuns:
         """The runs of the first ``length`` tokens."""
@@ -129,6 +131,7 @@ class VersionRuns:
         """Every version moved by ``offset`` (a restored job's numbering)."""
         out = VersionRuns()
         out._runs = [[version + offset, count] for version, count in self._runs]
+        out._total = self._total
         return out
 
     def expand(self) -> list[int]:
@@ -160,4 +163,4 @@ class VersionRuns:
 
     def plain(self) -> list[list[int]]:
         """A copy as plain lists (what JSON and slime's metadata hold)."""
-        return [[int(version), int(count)] for version, count in self]
+        return [[int(version), int(count)] for version, count in self._runs]

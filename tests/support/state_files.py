@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from april_slime.core.checkpoint import existing_state_file, read_state
+from april_slime.core.columns import Column
 
 
 def state_path(folder: Path, rollout_id: int) -> Path:
@@ -27,7 +28,7 @@ def _plain(value: Any) -> Any:
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_plain(v) for v in value]
-    if isinstance(value, np.ndarray):
+    if isinstance(value, (np.ndarray, Column)):
         return value.tolist()
     return value
 
