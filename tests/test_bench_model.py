@@ -147,3 +147,18 @@ def test_carried_tokens_count_what_a_resumed_sample_made_before_its_abort():
     run = run_virtual(go())
     assert sum(s.carried_tokens for s in run.steps) > 0
     assert np.all([s.carried_tokens <= s.metrics["april/returned_tokens"] for s in run.steps])
+
+
+def test_the_dapo_baseline_aborts_at_its_target_and_keeps_nothing():
+    """``sync-oversample`` is slime's baseline under dynamic sampling: over-sample, abort at the
+    target, discard the partials. It carries no token into a later step, and its steps are not
+    paced (a staleness bound of 0 would hold every opened group until it finished: no abort)."""
+    w = tiny(policies=("sync-oversample",), steps=4)
+
+    async def go():
+        return await run_policy("sync-oversample", "sync-oversample", w, SPEC)
+
+    run = run_virtual(go())
+    assert all(s.carried_tokens == 0 and s.buffer_tokens == 0 for s in run.steps)
+    assert sum(s.metrics["april/abort_calls"] for s in run.steps) > 0
+    assert run.settings["max_staleness"] is None

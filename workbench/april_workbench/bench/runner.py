@@ -42,8 +42,10 @@ def _policy_config(policy: str, workload: Workload, concurrency: int | None,
     }
     if policy == "sync-oversample":
         # slime's baseline under dynamic sampling (APRIL's DAPO arm): over-sample, abort at the
-        # target, and throw the partials away (nothing survives to the next step).
-        values.update(policy="april", max_staleness=0, stale_action="drop", return_surplus=False)
+        # target, and throw the partials away (nothing survives to the next step: run_policy
+        # empties the buffer after each step). No staleness bound: a bound of 0 would pace the
+        # step, holding every opened group until it finished, which slime's baseline does not do.
+        values.update(policy="april", max_staleness=None, return_surplus=False)
     if policy == "copris":
         values["concurrency"] = concurrency or workload.copris_concurrency()
     if policy == "copris-adaptive":
@@ -175,6 +177,8 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
             with step_probe(index) if step_probe is not None else contextlib.nullcontext():
                 result = await scheduler.run_step(prompts, version)
             rollout_s = cluster.now() - start
+            if policy == "sync-oversample":  # slime's baseline discards what its abort left
+                buffer.take(len(buffer), version + 1)
             if driver:
                 tracked, context_sum, held, age = driver.step_done(held_before, result.groups, buffer.groups(),
                                                                    version + 1)
