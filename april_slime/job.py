@@ -88,15 +88,19 @@ def for_job(args: Any) -> JobSettings:
 
 def read_settings(args: Any) -> JobSettings:
     """The plugin's settings in ``args``, each valid on its own (``describe`` adds the job's checks)."""
+    return _settings(args, SlimeArgs.read(args))
+
+
+def _settings(args: Any, slime: SlimeArgs) -> JobSettings:
     attributes = slime_args.prefixed_attributes(args, looks_prefixed, setting_keys())
-    return JobSettings.from_attributes(attributes, custom_config_keys(SlimeArgs.read(args).custom_config_path))
+    return JobSettings.from_attributes(attributes, custom_config_keys(slime.custom_config_path))
 
 
 def _read(args: Any) -> SlimeJob:
     from april_slime.samples import replay_spec
 
     slime = SlimeArgs.read(args)
-    settings = read_settings(args)
+    settings = _settings(args, slime)
     job_checks.check_job(slime, settings.rollout, settings.loss)
     return SlimeJob(slime=slime, settings=settings, sampling_params=MappingProxyType(slime.sampling_params()),
                     replay=replay_spec(slime), args=args)
