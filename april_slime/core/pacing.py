@@ -89,7 +89,11 @@ class StalenessPacing:
             return 0
         if self.max_staleness is None:
             return None
-        return self.max_staleness - max(0, group.staleness(self.current_version))
+        return self._slack_at(group.staleness(self.current_version))
+
+    def _slack_at(self, staleness: int) -> int:
+        """Versions a group whose oldest token is ``staleness`` versions old may still wait."""
+        return self.max_staleness - max(0, staleness)
 
     def must_finish(self, group: Group) -> bool:
         return self.slack(group) == 0
@@ -130,7 +134,7 @@ class StalenessPacing:
         kept = counted[1]
         if kept is None or member_oldest is None or group.uid in self.protected:
             return  # released or unbounded: no deadline whatever its tokens; protected: slack 0 stays
-        slack = self.max_staleness - max(0, self.current_version - member_oldest)
+        slack = self._slack_at(self.current_version - member_oldest)
         if slack < kept:
             self._uncount(group.uid)
             self._counted[group.uid] = (group, slack)
