@@ -135,8 +135,8 @@ MUTATIONS: list[Mutation] = [
              "version reported at the end of the call)",
         edits=(Edit(
             "april_slime/core/work.py",
-            "t.append(ids, logprobs, int(result.weight_version), result.version_runs, result.replay)",
-            "t.append(ids, logprobs, int(result.weight_version), None, result.replay)",
+            "result.logprobs, int(result.weight_version), result.version_runs, result.replay)",
+            "result.logprobs, int(result.weight_version), None, result.replay)",
         ),),
         tests=(
             "tests/test_scheduler.py::test_weights_changed_mid_call_give_exact_per_token_versions",

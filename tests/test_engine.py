@@ -141,8 +141,8 @@ async def test_generate_happy_path(server):
         result = await call_generate(client, server.url)
     finally:
         await client.close()
-    assert result.output_ids == [5, 6, 7]
-    assert result.logprobs == [-0.5, -1.5, -2.5]
+    assert result.output_ids.tolist() == [5, 6, 7]
+    assert result.logprobs.tolist() == [-0.5, -1.5, -2.5]
     assert result.finish_reason == "stop"
     assert result.weight_version == 3
     assert (result.prompt_tokens, result.completion_tokens) == (4, 3)
@@ -171,7 +171,7 @@ async def test_generate_without_output_ids_uses_logprob_triples(server):
         result = await call_generate(client, server.url)
     finally:
         await client.close()
-    assert result.output_ids == [9, 8]
+    assert result.output_ids.tolist() == [9, 8]
 
 
 async def test_aborted_reply_with_zero_tokens_is_valid(server):
@@ -182,7 +182,7 @@ async def test_aborted_reply_with_zero_tokens_is_valid(server):
     finally:
         await client.close()
     assert result.finish_reason == "abort"
-    assert result.output_ids == [] and result.logprobs == []
+    assert result.output_ids.tolist() == [] and result.logprobs.tolist() == []
     assert result.weight_version == 7
 
 
@@ -294,7 +294,7 @@ async def test_503_twice_then_success(server):
         result = await call_generate(client, server.url)
     finally:
         await client.close()
-    assert result.output_ids == [11, 12, 13]
+    assert result.output_ids.tolist() == [11, 12, 13]
     assert server.paths() == ["/generate"] * 3
     # every attempt resends the same rid and input
     assert all(body == server.requests[0][1] for _, body in server.requests)
@@ -386,7 +386,7 @@ async def test_timeout_aborts_rid_before_retry(server):
         result = await call_generate(client, server.url, rid="slow-1")
     finally:
         await client.close()
-    assert result.output_ids == [11, 12, 13] and result.finish_reason == "stop"
+    assert result.output_ids.tolist() == [11, 12, 13] and result.finish_reason == "stop"
     assert server.paths() == ["/generate", "/abort_request", "/generate"]
     assert server.requests[1][1] == {"rid": "slow-1"}
     stats = client.stats[server.url]
@@ -659,7 +659,7 @@ async def test_custom_transport():
     result = await client.generate(
         "mem://e0", [1, 2, 3, 4], max_new_tokens=1, rid="m1", sampling_params={}, sampling_seed=0
     )
-    assert result.output_ids == [100] and result.weight_version == 1
+    assert result.output_ids.tolist() == [100] and result.weight_version == 1
     assert [load.url for load in await client.loads()] == ["mem://e0"]
     with pytest.raises(EngineError, match="404"):
         await client.weight_version("mem://e0")
@@ -703,7 +703,7 @@ def _parse(reply, **kw):
 
 def test_float_noise_above_zero_is_a_logprob():
     result = _parse(generate_reply(tokens=[5, 6], logprobs=[3e-7, -0.5]))
-    assert result.logprobs == [3e-7, -0.5]
+    assert result.logprobs.tolist() == [3e-7, -0.5]
 
 
 def test_weight_versions_spans_give_per_token_versions():
@@ -727,7 +727,7 @@ def test_request_aborted_while_queued_has_no_prompt_tokens():
     reply = generate_reply(tokens=[], finish="abort")
     del reply["meta_info"]["prompt_tokens"]
     result = _parse(reply)
-    assert (result.finish_reason, result.output_ids, result.prompt_tokens) == ("abort", [], None)
+    assert (result.finish_reason, result.output_ids.tolist(), result.prompt_tokens) == ("abort", [], None)
     # a reply with tokens still needs it
     reply = generate_reply(tokens=[5], finish="abort")
     del reply["meta_info"]["prompt_tokens"]
@@ -738,7 +738,7 @@ def test_request_aborted_while_queued_has_no_prompt_tokens():
 def test_output_token_outside_vocabulary_is_refused():
     with pytest.raises(EngineReplyError, match=r"token id 40 at position 1 is not an integer in \[0, 40\)"):
         _parse(generate_reply(tokens=[5, 40, 7]), vocab_size=40)
-    assert _parse(generate_reply(tokens=[5, 39, 7]), vocab_size=40).output_ids == [5, 39, 7]
+    assert _parse(generate_reply(tokens=[5, 39, 7]), vocab_size=40).output_ids.tolist() == [5, 39, 7]
 
 
 @pytest.mark.parametrize("bad", [[1, 2, 50], [-1, 2, 3]])

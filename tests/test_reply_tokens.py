@@ -19,6 +19,7 @@ from april_slime.core.sglang_protocol import (
     EngineReplyError,
     _checked_lists,
     check_token_ids,
+    output_token_arrays,
     output_tokens,
     output_tokens_reference,
 )
@@ -48,6 +49,26 @@ def test_whole_list_checks_return_what_the_reference_returns(name, vocab, output
         assert fast is not None
     if name == "token id beyond int64" and vocab is None:
         assert expected[0] == "ok"  # any integer >= 0 is a token id of an unknown vocabulary
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, None])
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_the_arrays_a_reply_result_holds_are_the_lists_the_checks_return(name, vocab):
+    """``output_token_arrays`` (what ``parse_generate_reply`` keeps) holds the values ``output_tokens``
+    returns, as int64 ids and float64 log-probs bit for bit, or raises its error; an id beyond 64
+    bits, which an unknown vocabulary allows, is refused by name (no token column can hold it)."""
+    ids, triples = mutated(name)
+    expected = outcome(output_tokens, copy.deepcopy(ids), copy.deepcopy(triples), vocab, WHERE)
+    try:
+        got_ids, got_logprobs = output_token_arrays(ids, triples, vocab, WHERE)
+    except EngineReplyError as exc:
+        if name == "token id beyond int64" and vocab is None:
+            assert expected[0] == "ok" and "token id beyond 64 bits" in str(exc)
+        else:
+            assert ("error", str(exc)) == expected
+        return
+    assert got_ids.dtype == np.int64 and got_logprobs.dtype == np.float64
+    assert outcome(lambda: (got_ids.tolist(), got_logprobs.tolist())) == expected
 
 
 # ---------------------------------------------------------------------------------- token ids sent

@@ -8,6 +8,7 @@ import hashlib
 import math
 import random
 
+import numpy as np
 import pytest
 
 from april_slime.core.buffer import PartialBuffer
@@ -112,7 +113,8 @@ class FakeClient:
         if finish == "abort" and n and self.eos_on_abort is not None:
             ids[-1] = self.eos_on_abort
         runs = [[v, versions.count(v)] for v in sorted(set(versions))]
-        return GenerateResult(output_ids=ids, logprobs=[lp for _, lp in toks],
+        return GenerateResult(output_ids=np.array(ids, dtype=np.int64),
+                              logprobs=np.array([lp for _, lp in toks], dtype=np.float64),
                               finish_reason=finish, weight_version=version, prompt_tokens=len(input_ids),
                               completion_tokens=n, engine_url=engine_url, version_runs=runs)
 

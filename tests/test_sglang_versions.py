@@ -66,7 +66,7 @@ def test_every_recorded_reply_reads_as_the_client_expects(version):
         if version == "0.5.15.post1":
             assert "weight_versions" not in body["meta_info"], where  # the fallback path, always
             assert result.version_runs.plain() == ([[result.weight_version, len(result.output_ids)]]
-                                           if result.output_ids else [])
+                                           if len(result.output_ids) else [])
     assert finishes == {"stop", "length", "abort"}
     queued = scenarios["abort_all"]["queued_reply"]["body"]["meta_info"]
     assert queued["finish_reason"]["type"] == "abort"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from itertools import repeat
 from typing import Any
 
@@ -48,10 +48,13 @@ __all__ = ["LOGPROB_TOLERANCE", "EngineError", "EngineReplyError", "EngineUnavai
 FINISH_REASONS = ("stop", "length", "abort")
 
 
-@dataclass
+@dataclass(eq=False)
 class GenerateResult:
-    output_ids: list[int]
-    logprobs: list[float]
+    # the output tokens as the reply checks left them: int64 ids and float64 log-probs (bit for bit
+    # what the engine sent), arrays rather than lists so that a reply of tens of thousands of tokens
+    # holds no Python object per token; a trajectory stores them as they are
+    output_ids: np.ndarray
+    logprobs: np.ndarray
     finish_reason: str  # stop | length | abort
     weight_version: int  # the engine's version when the reply was made
     prompt_tokens: int | None  # None: aborted while still queued (SGLang then omits it)
@@ -63,13 +66,18 @@ class GenerateResult:
     retractions: int = 0  # meta_info.num_retractions: times the engine retracted this request
     # what the job replays in training (routed experts, top-p kept ids), when it asked for it
     replay: SegmentReplay | None = None
-    # the same ids and log-probs as the numpy arrays the reply checks built (None when the item
-    # by item checks ran): what a trajectory stores, without turning the lists back into arrays
-    token_arrays: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.version_runs is None:
             self.version_runs = VersionRuns.single(self.weight_version, len(self.output_ids))
+
+    def __eq__(self, other: object) -> bool:
+        """Equal values: the same ids, the same log-prob bits, the same other fields."""
+        if not isinstance(other, GenerateResult):
+            return NotImplemented
+        return (np.array_equal(self.output_ids, other.output_ids)
+                and np.array_equal(self.logprobs.view(np.int64), other.logprobs.view(np.int64))
+                and all(getattr(self, f.name) == getattr(other, f.name) for f in fields(self)[2:]))
 
 
 @dataclass
@@ -101,7 +109,7 @@ class LogprobArrays:
 
     Not SGLang's wire form, which is JSON: an engine that lives in the client's process (the
     emulator on its virtual clock) hands these over, with the reply's ``output_ids`` as an int64
-    array too, so a reply costs no Python object per token until the client builds its lists.
+    array too, so a reply costs no Python object per token on its way to the trajectory.
     ``to_triples`` is what the same reply says on the wire."""
 
     logprobs: np.ndarray
@@ -116,19 +124,25 @@ class LogprobArrays:
 
 def output_tokens(output_ids: Any, triples: Any, vocab_size: int | None,
                   where: str) -> tuple[list[int], list[float]]:
-    """A reply's ``output_ids`` (None: the engine sent only the triples) and
+    """A reply's ``output_ids`` (a list of ints, or None: the ids come from the triples) and
     ``meta_info.output_token_logprobs`` (a list of triples, or ``LogprobArrays``) -> (token ids,
     log-probs) as fresh lists, once every per-token check has passed: triples well formed,
     log-probs finite and <= ``LOGPROB_TOLERANCE``, ids integers in ``[0, vocab_size)``, the same
     ids in both places. Raises ``EngineReplyError`` naming the first bad position."""
-    ids, logprobs, _ = checked_output_tokens(output_ids, triples, vocab_size, where)
-    return ids, logprobs
+    if isinstance(triples, LogprobArrays):
+        ids, logprobs = output_token_arrays(output_ids, triples, vocab_size, where)
+        return ids.tolist(), logprobs.tolist()
+    checked = _checked_lists(output_ids, triples, vocab_size)
+    if checked is not None:
+        return checked[0], checked[1]
+    return output_tokens_reference(output_ids, triples, vocab_size, where)
 
 
-def checked_output_tokens(output_ids: Any, triples: Any, vocab_size: int | None,
-                          where: str) -> tuple[list[int], list[float], tuple[np.ndarray, np.ndarray] | None]:
-    """``output_tokens``, and the (int64 ids, float64 log-probs) arrays its whole-list checks built
-    (None where the item-by-item checks ran), which a trajectory stores without a conversion."""
+def output_token_arrays(output_ids: Any, triples: Any, vocab_size: int | None,
+                        where: str) -> tuple[np.ndarray, np.ndarray]:
+    """``output_tokens`` as (int64 ids, float64 log-probs) arrays, what a ``GenerateResult`` holds:
+    those the whole-list checks built, else those of the reference checks' lists (which also name
+    the problem of a reply they refuse). No list of the tokens is made on the way."""
     if isinstance(triples, LogprobArrays):
         checked = _checked_arrays(output_ids, triples, vocab_size)
         if checked is not None:
@@ -138,14 +152,18 @@ def checked_output_tokens(output_ids: Any, triples: Any, vocab_size: int | None,
         if isinstance(output_ids, np.ndarray):
             output_ids = output_ids.tolist()
     else:
-        checked = _checked_lists(output_ids, triples, vocab_size)
-        if checked is not None:
-            return checked
-    return (*output_tokens_reference(output_ids, triples, vocab_size, where), None)
+        listed = _checked_lists(output_ids, triples, vocab_size)
+        if listed is not None:
+            return listed[2]
+    ids, logprobs = output_tokens_reference(output_ids, triples, vocab_size, where)
+    try:
+        return np.array(ids, dtype=np.int64), np.array(logprobs, dtype=np.float64)
+    except OverflowError:  # any integer >= 0 is an id of an unknown vocabulary, but none fits a token column
+        raise EngineReplyError(f"{where}: output_ids holds a token id beyond 64 bits") from None
 
 
 def _checked_lists(output_ids: Any, triples: Any,
-                   vocab_size: int | None) -> tuple[list[int], list[float], tuple | None] | None:
+                   vocab_size: int | None) -> tuple[list[int], list[float], tuple[np.ndarray, np.ndarray]] | None:
     """``output_tokens`` for lists of triples, as JSON decodes them, in whole-list operations;
     None unless every check passes (types are counted exactly, so a bool, a float id or an int
     log-prob is left to the reference checks)."""
@@ -167,7 +185,7 @@ def _checked_lists(output_ids: Any, triples: Any,
           or output_ids != triple_ids):
         return None
     if not n:
-        return [], logprobs, None
+        return [], logprobs, (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64))
     as_float64 = np.frombuffer(array("d", logprobs), dtype=np.float64)
     if not (np.isfinite(as_float64).all() and as_float64.max() <= LOGPROB_TOLERANCE):
         return None
@@ -181,9 +199,9 @@ def _checked_lists(output_ids: Any, triples: Any,
 
 
 def _checked_arrays(output_ids: Any, arrays: LogprobArrays,
-                    vocab_size: int | None) -> tuple[list[int], list[float], tuple | None] | None:
-    """``output_tokens`` for ``LogprobArrays`` (and ``output_ids`` as an int64 array or None);
-    None unless every check passes."""
+                    vocab_size: int | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """``output_token_arrays`` for ``LogprobArrays`` (and ``output_ids`` as an int64 array or
+    None): the same arrays; None unless every check passes."""
     logprobs, ids = arrays.logprobs, arrays.token_ids
     if not (isinstance(logprobs, np.ndarray) and logprobs.dtype == np.float64 and logprobs.ndim == 1
             and isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.shape == logprobs.shape):
@@ -194,7 +212,7 @@ def _checked_arrays(output_ids: Any, arrays: LogprobArrays,
     if len(ids) and not (np.isfinite(logprobs).all() and logprobs.max() <= LOGPROB_TOLERANCE
                          and _ids_in_vocab(ids, vocab_size)):
         return None
-    return ids.tolist(), logprobs.tolist(), (ids, logprobs)
+    return ids, logprobs
 
 
 def _ids_in_vocab(ids: np.ndarray, vocab_size: int | None) -> bool:
@@ -278,10 +296,10 @@ def parse_generate_reply(
             f"{where}: meta_info.output_token_logprobs missing or not a list (was the request sent "
             "with return_logprob=true?)"
         )
-    output_ids, logprobs, token_arrays = checked_output_tokens(reply.get("output_ids"), triples, vocab_size, where)
+    output_ids, logprobs = output_token_arrays(reply.get("output_ids"), triples, vocab_size, where)
 
     completion = meta.get("completion_tokens")
-    if completion is None and finish_type == "abort" and not output_ids:
+    if completion is None and finish_type == "abort" and not len(output_ids):
         completion = 0
     completion_tokens = require_int(completion, "completion_tokens", where)
     if completion_tokens != len(output_ids):
@@ -293,7 +311,7 @@ def parse_generate_reply(
             f"{where}: {len(output_ids)} tokens returned, more than max_new_tokens={max_new_tokens}"
         )
     prompt_tokens = meta.get("prompt_tokens")
-    if prompt_tokens is not None or finish_type != "abort" or output_ids:
+    if prompt_tokens is not None or finish_type != "abort" or len(output_ids):
         # only a request aborted while still queued comes back without prompt_tokens
         prompt_tokens = require_int(prompt_tokens, "prompt_tokens", where)
     weight_version = parse_weight_version(meta.get("weight_version"), where)
@@ -307,7 +325,6 @@ def parse_generate_reply(
     return GenerateResult(
         output_ids=output_ids,
         logprobs=logprobs,
-        token_arrays=token_arrays,
         finish_reason=finish_type,
         weight_version=weight_version,
         prompt_tokens=prompt_tokens,

@@ -115,17 +115,16 @@ class TrajectoryWork:
         if len(result.output_ids) > t.remaining_tokens:
             return EngineReplyError(f"{result.engine_url}: {len(result.output_ids)} tokens for {t.uid} "
                                     f"exceed its remaining budget {t.remaining_tokens}")
-        if finish == "abort" and not result.output_ids and not draining:
+        if finish == "abort" and not len(result.output_ids) and not draining:
             return EngineReplyError(f"{result.engine_url}: request of {t.uid} aborted by the engine "
                                     "without any token")
-        ids, logprobs = result.token_arrays or (result.output_ids, result.logprobs)
         try:
-            t.append(ids, logprobs, int(result.weight_version), result.version_runs, result.replay)
+            t.append(result.output_ids, result.logprobs, int(result.weight_version), result.version_runs, result.replay)
         except (ValueError, TypeError) as e:
             return EngineReplyError(f"{result.engine_url}: {e}")
         tokens = len(result.output_ids)
         self.counters.generated_tokens += tokens
-        if finish != "stop" and result.output_ids and result.output_ids[-1] in self.stop_token_ids:
+        if finish != "stop" and tokens and int(result.output_ids[-1]) in self.stop_token_ids:
             # the abort (or the budget) raced a sampled stop token: the response is complete
             self.counters.stop_token_finishes += 1
             if finish == "abort":

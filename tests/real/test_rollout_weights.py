@@ -126,7 +126,7 @@ def test_versions_exact_when_weights_change_mid_request(real_stack, hf_models):
     # what the loads promised: tokens under A before the pause, under B after it (the loads count
     # KV slots, which may run a token or two ahead of the tokens returned; and see the label below)
     assert switch >= each // 2 and len(versions) - switch >= each // 2, result.version_runs
-    tokens = prompt + list(result.output_ids)
+    tokens = prompt + result.output_ids.tolist()
     under_a = token_logprobs(hf_models["A"], tokens, len(versions))
     # The first token really computed under B: the first one A's log-prob does not explain.
     first_b = next(i for i, (got, a) in enumerate(zip(result.logprobs, under_a)) if abs(got - a) > LOGPROB_TOLERANCE)

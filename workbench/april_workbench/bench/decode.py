@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     result = _client(raw)
     reply = orjson.loads(raw)
     expected = output_tokens(reply["output_ids"], reply["meta_info"]["output_token_logprobs"], VOCAB_SIZE, "")
-    if (result.output_ids, result.logprobs) != expected or _reference(raw) != expected:
+    if (result.output_ids.tolist(), result.logprobs.tolist()) != expected or _reference(raw) != expected:
         print("the client and the reference checks disagree on the reply", file=sys.stderr)
         return 1
     summary = summarize(measure(raw, args.rounds, args.calls), args.tokens)
