@@ -117,6 +117,37 @@ def test_the_binary_state_round_trips_every_field_and_holds_the_raw_bytes(tmp_pa
     assert tokens_bytes <= size < tokens_bytes + 16_384
 
 
+def test_a_load_keeps_what_it_read_as_the_snapshot_of_its_rollout_whatever_the_buffer_does_next(tmp_path):
+    """The state a load decodes is the snapshot of its rollout (no second pass over the buffer): it
+    writes the very file it was read from, and the live buffer's later replies (tokens, call
+    versions, a loss mask, a payload) leave it as it was."""
+    buf = PartialBuffer(priority="fifo")
+    for k in range(2):
+        buf.put(routed_group(f"g{k}", tokens=30 + k))
+    plain = make_group("plain", finished_lengths=(3,), partial=((0, 2),), payload={"x": [1]})
+    plain.trajectories[1].loss_mask = [1, 0]
+    buf.put(plain)
+    path = saved_file(tmp_path, buf, rollout_id=3)
+    written = path.read_bytes()
+    loaded = PartialBuffer(priority="fifo")
+    restored = checkpoints(tmp_path, loaded)
+    snapshot = restored.load(3)
+    # the same state a fresh snapshot of the restored buffer holds, to the byte
+    assert b"".join(map(bytes, snapshot.blocks()[0])) == written
+    assert b"".join(map(bytes, restored._take(3, 1).blocks()[0])) == written
+    # the buffer moves on: a resumed partial gets a reply, a mask grows, a payload changes
+    for group in loaded.groups():
+        for t in group.unfinished():
+            t.append([7, 7], [-0.5, -0.5], 9)
+            if t.loss_mask is not None:
+                t.loss_mask.extend([1, 1])
+        if isinstance(group.payload, dict) and "x" in group.payload:
+            group.payload["x"].append(2)
+    path.unlink()
+    restored.save(3, policy_version=1)
+    assert path.read_bytes() == written
+
+
 def file_index(path) -> dict:
     data = path.read_bytes()
     return json.loads(data[16:16 + int.from_bytes(data[8:16], "little")])

@@ -381,9 +381,9 @@ class Checkpoints:
             raise missing_state_error(path, rollout_id, slime_folder)
         with collection_paused():
             state = read_state(path, rollout_id)
+            buffer_state = state.pop("buffer")
             try:
-                # validates before replacing anything; the state's copy goes (popped) while the collector waits
-                self.buffer.load_state_dict(state.pop("buffer"))
+                self.buffer.load_state_dict(buffer_state)  # validates before replacing anything
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise StateFileError(f"{path}: not a valid buffer state ({type(e).__name__}: {e})") from e
             if state["format"] >= 2:
@@ -391,7 +391,15 @@ class Checkpoints:
             else:  # written before the prompt position moved into this file
                 self.prompts.load(rollout_id)
             self._snapshots = {}
-            self.snapshot(rollout_id, state.get("policy_version"))
+            if state["format"] == STATE_FORMAT:
+                # what a file of this format decodes to is what a snapshot of the restored buffer
+                # holds (the same columns and replay bytes, which the buffer now shares): it is
+                # that snapshot, without a second pass over thousands of trajectories
+                self._snapshots[rollout_id] = Snapshot.take(rollout_id, self.prompts, buffer_state,
+                                                            state.get("policy_version"))
+            else:  # an earlier format: its state may be laid out otherwise (lists, int32 rows)
+                self.snapshot(rollout_id, state.get("policy_version"))
+            del buffer_state
         logger.info("restored %d buffered groups (%d partial samples) and the prompt position from %s",
                     len(self.buffer), self.buffer.num_partial_trajectories(), path)
         return self._snapshots[rollout_id]

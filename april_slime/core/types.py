@@ -21,12 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from april_slime.core.columns import Column, logprob_column, token_column
+from april_slime.core.columns import LOGPROB_DTYPE, TOKEN_DTYPE, Column, logprob_column, token_column
 from april_slime.core.replay import SegmentReplay, TokenReplay
 from april_slime.core.versions import VersionRuns
 
 # the per-token fields held as columns, and how an assigned sequence becomes one
 _TOKEN_COLUMNS = {"prompt_ids": token_column, "response_ids": token_column, "logprobs": logprob_column}
+_COLUMN_DTYPES = {"prompt_ids": TOKEN_DTYPE, "response_ids": TOKEN_DTYPE, "logprobs": LOGPROB_DTYPE}
 
 
 class TrajectoryStatus(str, enum.Enum):
@@ -240,8 +241,15 @@ class Trajectory:
             values[name] = _MADE_DEFAULTS[name]()
         uid = values["uid"]
         for name, column in _TOKEN_COLUMNS.items():
-            values[name] = column(values[name], f"{uid}: {name}")
+            value = values[name]
+            if type(value) is not Column or value.dtype != _COLUMN_DTYPES[name]:  # a restore's are columns already
+                values[name] = column(value, f"{uid}: {name}")
         values["status"] = TrajectoryStatus(values["status"])
+        # lists the trajectory changes in place are its own: ``d`` may be kept (a restored
+        # checkpoint's state is the snapshot of what it restored)
+        values["call_versions"] = list(values["call_versions"])
+        if values["loss_mask"] is not None:
+            values["loss_mask"] = list(values["loss_mask"])
         if not isinstance(values["version_runs"], VersionRuns):
             values["version_runs"] = VersionRuns.of(values["version_runs"])
         if values["replay"] is not None and not isinstance(values["replay"], TokenReplay):
