@@ -188,10 +188,9 @@ class PartialBuffer:
                     # a save taken while a reply was pending: the tokens saved are all we have
                     t.status = TrajectoryStatus.ABORTED if t.response_ids else TrajectoryStatus.PENDING
         counters = state.get("counters", {})
-        self._groups = {}
-        self._next_arrival = 0
-        for group in groups:
-            self.put(group)
+        # what ``put`` checks was checked above, for every group before any was kept
+        self._groups = {group.uid: (arrival, group) for arrival, group in enumerate(groups)}
+        self._next_arrival = len(groups)
         for name in _COUNTERS:
             setattr(self, name, int(counters.get(name, 0)))
 

@@ -272,6 +272,23 @@ class _Arrays:
             self._columns[k] = out
         return out
 
+    def columns(self, ks: list, uids: list, name: str) -> list:
+        """``column`` of each of ``ks`` (trajectory ``uids``' field ``name``), in one pass: a
+        restore makes three per trajectory."""
+        cache, count, block = self._columns, len(self.counts), self.block
+        dtypes, counts, offsets = self.dtypes, self.counts, self.offsets
+        out = []
+        for k, uid in zip(ks, uids):
+            if type(k) is int and 0 <= k < count:
+                column = cache.get(k)
+                if column is None:
+                    dtype = dtypes[k]
+                    column = cache[k] = Column((np.frombuffer(block, dtype, counts[k], offsets[k]),), dtype)
+            else:  # plain data, or a reference to nothing (the error names the trajectory)
+                column = self.column(k, ("trajectory", uid), name)
+            out.append(column)
+        return out
+
     def view(self, k: Any, owner: tuple[str, Any], name: str) -> memoryview:
         """Array k's bytes: a read-only view, held as a piece of a replay's ``ByteChunks``."""
         k = self._ref(k, owner, name)
@@ -323,7 +340,7 @@ def _with_arrays(arrays: _Arrays, groups: list[dict[str, Any]], columns: Any) ->
     uids = columns.get("uid", [])
     for name in _COLUMNS:
         if name in columns:
-            columns[name] = [arrays.column(k, ("trajectory", uid), name) for k, uid in zip(columns[name], uids)]
+            columns[name] = arrays.columns(columns[name], uids, name)
     if "replay" in columns:
         columns["replay"] = [None if v is None else arrays.replay(v, ("trajectory", uid), narrowed_on_disk=False)
                              for v, uid in zip(columns["replay"], uids)]
