@@ -265,29 +265,24 @@ class _Arrays:
         if type(k) is list:
             return k
         out = self._columns.get(k) if type(k) is int else None
-        if out is None:
-            k = self._ref(k, owner, name)
-            dtype = self.dtypes[k]
-            out = Column((np.frombuffer(self.block, dtype, self.counts[k], self.offsets[k]),), dtype)
-            self._columns[k] = out
-        return out
+        return out if out is not None else self._new_column(self._ref(k, owner, name))
 
     def columns(self, ks: list, uids: list, name: str) -> list:
-        """``column`` of each of ``ks`` (trajectory ``uids``' field ``name``), in one pass: a
+        """``column`` of each of ``ks`` (the field ``name`` of trajectories ``uids``), in one pass: a
         restore makes three per trajectory."""
-        cache, count, block = self._columns, len(self.counts), self.block
-        dtypes, counts, offsets = self.dtypes, self.counts, self.offsets
-        out = []
+        cache, count, out = self._columns, len(self.counts), []
         for k, uid in zip(ks, uids):
-            if type(k) is int and 0 <= k < count:
-                column = cache.get(k)
-                if column is None:
-                    dtype = dtypes[k]
-                    column = cache[k] = Column((np.frombuffer(block, dtype, counts[k], offsets[k]),), dtype)
-            else:  # plain data, or a reference to nothing (the error names the trajectory)
-                column = self.column(k, ("trajectory", uid), name)
-            out.append(column)
+            if type(k) is not int or not 0 <= k < count:  # plain data, or a reference to nothing (named)
+                out.append(self.column(k, ("trajectory", uid), name))
+                continue
+            column = cache.get(k)
+            out.append(column if column is not None else self._new_column(k))
         return out
+
+    def _new_column(self, k: int) -> Column:
+        dtype = self.dtypes[k]
+        column = self._columns[k] = Column((np.frombuffer(self.block, dtype, self.counts[k], self.offsets[k]),), dtype)
+        return column
 
     def view(self, k: Any, owner: tuple[str, Any], name: str) -> memoryview:
         """Array k's bytes: a read-only view, held as a piece of a replay's ``ByteChunks``."""
