@@ -52,7 +52,7 @@ def test_the_command_measures_only_the_parts_asked_for(tmp_path, capsys):
     [row] = result["scheduler"]
     assert sum(s["generated_tokens"] for s in row["steps"]) > 0 and row["plugin_ms_per_1k_tokens"] > 0
     assert scale.main(["--quick", "--parts", "scheduler,ckpt"]) == 2
-    assert "ckpt is not one of scheduler, checkpoint" in capsys.readouterr().err
+    assert "ckpt is not one of scheduler, checkpoint, objects" in capsys.readouterr().err
 
 
 def test_the_command_can_measure_the_checkpoint_alone(tmp_path):
@@ -61,6 +61,18 @@ def test_the_command_can_measure_the_checkpoint_alone(tmp_path):
                        "--json", str(out), "--dir", str(tmp_path)]) == 0
     result = json.loads(out.read_text())
     assert result["scheduler"] == [] and [c["response_tokens"] for c in result["checkpoint"]] == [20_000, 2_000]
+
+
+def test_the_objects_a_call_holds_in_flight_are_counted_over_http_and_in_process(capsys):
+    """Each transport's count is taken with every call running on the engine (a call that ended
+    first fails the count): at least its task and the client's coroutines per call."""
+    result = scale.objects_in_flight(8)
+    assert result["calls"] == 8
+    for census in (result["http"], result["in_process"]):
+        assert census["per_call"] >= 3 and census["top_per_call"], census
+        assert max(census["top_per_call"].values()) <= census["per_call"]
+    table = scale.report({"scheduler": [], "checkpoint": [], "objects": result})
+    assert "tracked objects per call in flight (8 calls)" in table and "HTTP (aiohttp)" in table
 
 
 def test_the_docs_show_the_committed_run():
@@ -72,3 +84,6 @@ def test_the_docs_show_the_committed_run():
     for table in scale.report(result).split("\n\n"):
         assert table in doc, "docs/performance.md does not show docs/results/bench_scale.json (rerun the report)"
     assert not result["quick"] and {r["n_prime"] for r in result["scheduler"]} >= {64, 4096}
+    objects = json.loads((root / "docs/results/bench_scale_objects.json").read_text())
+    assert objects["objects"]["calls"] >= 256 and scale.report(objects) in doc, (
+        "docs/performance.md does not show docs/results/bench_scale_objects.json")

@@ -1,7 +1,7 @@
 """``april-slime bench scale``: the plugin's own cost at production size, which the virtual clock
 of the policy benchmark cannot see (it does not move while Python computes).
 
-Three measurements, each against the limit that bounds it:
+Four measurements, the first three each against the limit that bounds it:
 
 * **Scheduler CPU per request** (copris, N' = 64 ... 4096, unbounded and at a staleness bound):
   the plugin's CPU in each step's ``run_step`` (the thread's CPU minus what the emulated engines
@@ -16,17 +16,24 @@ Three measurements, each against the limit that bounds it:
   event loop, the save's peak memory, and the memory held by two snapshots after the buffer
   moved on (the checkpoint keeps the two latest).
 
+* **Objects per call in flight** (``--parts objects``): the tracked objects generate calls in
+  flight add to the client process, over HTTP to an emulated engine in another process (what a
+  job holds) and in process (what the virtual mode holds): gen-2 time per step follows them.
+
 Every figure is this machine's; ratios within one run are what carries over.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
 import contextlib
 import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,9 +48,12 @@ import numpy as np
 from april_slime.core.buffer import PartialBuffer
 from april_slime.core.checkpoint import Checkpoints
 from april_slime.core.columns import token_column
+from april_slime.core.engine import EngineClient
 from april_slime.core.replay import SegmentReplay
+from april_slime.core.transport import HttpTransport
 from april_slime.core.types import Group, Trajectory, TrajectoryStatus
 from april_workbench.emulator import run_virtual
+from april_workbench.emulator.testing import start_cluster
 
 from .runner import run_policy
 from .spec import ENGINE_PRESETS
@@ -334,15 +344,93 @@ def checkpoint_cost(tokens: int, *, routed: tuple[int, int] | None, folder: Path
     }
 
 
+# ============================================================================ objects per call in flight
+def objects_in_flight(calls: int) -> dict[str, Any]:
+    """Tracked objects the client process holds per generate call in flight, by transport: over
+    HTTP (aiohttp, what a job uses) to an emulated engine in another process, and in process (the
+    virtual mode's ``LocalTransport``, whose count includes the emulated engine's own objects).
+
+    A full collection runs once the objects promoted to the oldest generation since the last reach
+    a quarter of those it kept, and a call in flight outlives the young collections, so gen-2 time
+    per step follows these counts times the calls a step makes. Counts, not times: the same on any
+    machine for the same library versions."""
+    return {"calls": calls, "http": asyncio.run(_http_census(calls)), "in_process": asyncio.run(_local_census(calls))}
+
+
+async def _http_census(calls: int) -> dict[str, Any]:
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "april_workbench.cli", "emulator", "--port", "0", "--engines", "1",
+         "--length-dist", "max-length", "--max-running-requests", str(2 * calls), "--time-scale", "0.01"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = None
+        for line in engine.stdout:  # "router URL", then "engine URL" once it listens
+            if line.startswith("engine "):
+                url = line.split()[1]
+                break
+        if url is None:
+            raise RuntimeError(f"the emulated engine exited ({engine.wait()}) before it listened")
+        transport = HttpTransport()
+        try:
+            return await _census(EngineClient([url], transport=transport), url, calls)
+        finally:
+            await transport.close()
+    finally:
+        engine.terminate()
+        engine.wait()
+
+
+async def _local_census(calls: int) -> dict[str, Any]:
+    async with start_cluster(1, time_scale=0.01, http=False, length="max-length",
+                             max_running_requests=2 * calls) as cluster:
+        return await _census(EngineClient(cluster.engine_urls, transport=cluster.transport), cluster.engine_urls[0],
+                             calls)
+
+
+async def _census(client: EngineClient, url: str, calls: int) -> dict[str, Any]:
+    """The tracked objects ``calls`` generate calls in flight on ``url`` add, per call and by type."""
+    def counts() -> collections.Counter:
+        gc.collect()
+        return collections.Counter(_kind(o) for o in gc.get_objects())
+
+    # one call first, so that a session, its connector and the loop's machinery exist before
+    await client.generate(url, [1, 2, 3], max_new_tokens=1, rid="first", sampling_params={}, sampling_seed=0)
+    before = counts()
+    tasks = [asyncio.create_task(client.generate(url, list(range(10, 74)), max_new_tokens=8192, rid=f"r{i}",
+                                                 sampling_params={}, sampling_seed=i)) for i in range(calls)]
+
+    def check_in_flight() -> None:
+        ended = [t for t in tasks if t.done()]
+        if ended:  # the engine ran too fast, or refused: the count would not be of calls in flight
+            raise RuntimeError(f"{len(ended)} calls ended before the count: {ended[0].exception()!r}")
+
+    while sum(load.num_running + load.num_waiting for load in await client.loads()) < calls:
+        check_in_flight()
+        await asyncio.sleep(0.05)  # until every request has reached the engine
+    during = counts()
+    check_in_flight()
+    await client.abort(url, abort_all=True)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    added = {kind: during[kind] - before[kind] for kind in during if during[kind] > before[kind]}
+    top = sorted(added.items(), key=lambda kv: -kv[1])[:12]
+    return {"per_call": sum(added.values()) / calls, "top_per_call": {k: n / calls for k, n in top}}
+
+
+def _kind(obj: Any) -> str:
+    kind = type(obj)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    return f"{name}:{obj.cr_code.co_qualname}" if kind.__name__ == "coroutine" else name
+
+
 # ============================================================================ the command
 QUICK = {"n_primes": (64, 256), "steps": 3, "tokens": 2_000_000, "routed_tokens": 100_000,
-         "max_response_len": 4096}
+         "max_response_len": 4096, "calls_in_flight": 32}
 FULL = {"n_primes": (64, 256, 1024, 4096), "steps": 4, "tokens": 30_000_000, "routed_tokens": 2_000_000,
-        "max_response_len": 16384}
+        "max_response_len": 16384, "calls_in_flight": 256}
 ROUTED = (48, 8)  # Qwen3-30B-A3B: 48 MoE layers, top-8 of 128 experts
 
 
-PARTS = ("scheduler", "checkpoint")
+PARTS = ("scheduler", "checkpoint", "objects")
 
 
 def run(*, quick: bool, bounds: tuple[int | None, ...] = (None, 2), n_primes: tuple[int, ...] | None = None,
@@ -350,12 +438,15 @@ def run(*, quick: bool, bounds: tuple[int | None, ...] = (None, 2), n_primes: tu
         parts: tuple[str, ...] = PARTS, progress=print) -> dict[str, Any]:
     plan = dict(QUICK if quick else FULL)
     n_primes = n_primes or plan["n_primes"]
-    out: dict[str, Any] = {"quick": quick, "scheduler": [], "checkpoint": []}
+    out: dict[str, Any] = {"quick": quick, "scheduler": [], "checkpoint": [], "objects": None}
     if "scheduler" in parts:
         for n_prime in n_primes:
             for bound in bounds:
                 progress(f"scheduler: copris N'={n_prime}, bound {bound}")
                 out["scheduler"].append(scheduler_cost(n_prime, bound, plan["steps"], plan["max_response_len"]))
+    if "objects" in parts:
+        progress(f"objects per call in flight: {plan['calls_in_flight']} calls")
+        out["objects"] = objects_in_flight(plan["calls_in_flight"])
     if "checkpoint" not in parts:
         return out
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
@@ -367,26 +458,41 @@ def run(*, quick: bool, bounds: tuple[int | None, ...] = (None, 2), n_primes: tu
 
 
 def report(result: dict[str, Any]) -> str:
-    sched = md_table(
-        ["N'", "bound", "engines", "plugin ms / call (by step)", "plugin CPU s / step", "gen-2 GC share",
-         "steps/h virtual", "steps/h, plugin CPU charged"],
-        [[str(r["n_prime"]), "none" if r["bound"] is None else str(r["bound"]), str(r["engines"]),
-          f"{r['plugin_ms_per_call']:.2f} ({', '.join(f'{x:.2f}' for x in r['plugin_ms_per_call_by_step'])})",
-          f"{r['plugin_cpu_s_per_step']:.2f}", f"{100 * r['gc2_share']:.2f}%",
-          f"{r['steps_per_h_virtual']:.1f}", f"{r['steps_per_h_charged']:.1f}"] for r in result["scheduler"]])
-    ckpt = md_table(
-        ["tokens", "routed experts", "live B / token", "full GC pause (without the buffer)", "snapshot stall",
-         "file / raw",
-         "save (numpy.save)", "load (numpy.load)", "save peak / buffer", "2 snapshots: resident / buffer"],
-        [[f"{c['response_tokens']:,}", "x".join(map(str, c["routed"])) if c["routed"] else "none",
-          f"{c['live_bytes_per_token']:.1f}",
-          f"{1e3 * c['full_gc_pause_s']:.1f} ms ({1e3 * c['full_gc_pause_without_buffer_s']:.1f} ms)",
-          f"{1e3 * c['snapshot_s']:.1f} ms",
-          f"{c['file_over_raw']:.3f}", f"{c['save_s']:.2f} s ({c['numpy_save_s']:.2f} s) = {c['save_over_numpy']:.2f}x",
-          f"{c['load_s']:.2f} s ({c['numpy_load_s']:.2f} s) = {c['load_over_numpy']:.2f}x",
-          f"{c['save_peak_over_buffer']:.3f}", f"{c['resident_with_two_snapshots_over_buffer']:.3f}"]
-         for c in result["checkpoint"]])
-    return f"{sched}\n\n{ckpt}"
+    """The tables of the parts measured."""
+    tables = []
+    if result["scheduler"]:
+        tables.append(md_table(
+            ["N'", "bound", "engines", "plugin ms / call (by step)", "plugin CPU s / step", "gen-2 GC share",
+             "steps/h virtual", "steps/h, plugin CPU charged"],
+            [[str(r["n_prime"]), "none" if r["bound"] is None else str(r["bound"]), str(r["engines"]),
+              f"{r['plugin_ms_per_call']:.2f} ({', '.join(f'{x:.2f}' for x in r['plugin_ms_per_call_by_step'])})",
+              f"{r['plugin_cpu_s_per_step']:.2f}", f"{100 * r['gc2_share']:.2f}%",
+              f"{r['steps_per_h_virtual']:.1f}", f"{r['steps_per_h_charged']:.1f}"] for r in result["scheduler"]]))
+    if result["checkpoint"]:
+        tables.append(md_table(
+            ["tokens", "routed experts", "live B / token", "full GC pause (without the buffer)", "snapshot stall",
+             "file / raw", "save (numpy.save)", "load (numpy.load)", "save peak / buffer",
+             "2 snapshots: resident / buffer"],
+            [[f"{c['response_tokens']:,}", "x".join(map(str, c["routed"])) if c["routed"] else "none",
+              f"{c['live_bytes_per_token']:.1f}",
+              f"{1e3 * c['full_gc_pause_s']:.1f} ms ({1e3 * c['full_gc_pause_without_buffer_s']:.1f} ms)",
+              f"{1e3 * c['snapshot_s']:.1f} ms", f"{c['file_over_raw']:.3f}",
+              f"{c['save_s']:.2f} s ({c['numpy_save_s']:.2f} s) = {c['save_over_numpy']:.2f}x",
+              f"{c['load_s']:.2f} s ({c['numpy_load_s']:.2f} s) = {c['load_over_numpy']:.2f}x",
+              f"{c['save_peak_over_buffer']:.3f}", f"{c['resident_with_two_snapshots_over_buffer']:.3f}"]
+             for c in result["checkpoint"]]))
+    objects = result.get("objects")
+    if objects:
+        def most_held(census: dict[str, Any]) -> str:
+            top = list(census["top_per_call"].items())[:6]
+            return ", ".join(f"{kind.rsplit('.', 1)[-1]} {n:.1f}" for kind, n in top)
+
+        tables.append(md_table(
+            ["transport", f"tracked objects per call in flight ({objects['calls']} calls)", "most held"],
+            [[name, f"{objects[key]['per_call']:.1f}", most_held(objects[key])]
+             for name, key in (("HTTP (aiohttp), engine in another process", "http"),
+                               ("in process (virtual mode), the emulated engine's included", "in_process"))]))
+    return "\n\n".join(tables)
 
 
 def main(argv: list[str] | None = None) -> int:
