@@ -971,6 +971,34 @@ def test_excluded_engine_returns_once_it_answers_a_probe():
     run_virtual(main())
 
 
+@pytest.mark.parametrize("policy", ["sync", "april"])
+def test_an_engine_restarted_at_its_address_takes_its_share_of_the_next_steps_first_calls(policy):
+    """An engine whose calls failed (its process died) and that a launcher restarted at the same
+    address before the next steps (slime's fault tolerance reuses a free port, often its own): the
+    router's list reads the same, so the scheduler and its health stay, with the engine out of
+    dispatch. The next step submits every call in its first fill, before a probe running alongside
+    could answer: the engine must be back for that fill."""
+
+    async def main():
+        client = FakeClient(token_time=0.05)
+        sched, _, buffer = make(policy, client=client, batch=2, n=2, concurrency=4, over_sampling_factor=1.0)
+        prompts = Prompts(2)
+        restarted = client.engine_urls[1]
+        client.fail = lambda url, rid: url == restarted  # dead: its calls fail, so do its probes
+        client.probe_fails = lambda url: url == restarted
+        await bounded(sched, prompts, 0)
+        assert restarted in sched.health.excluded
+        client.fail = lambda url, rid: False  # restarted, at the same address
+        client.probe_fails = lambda url: False
+        n_before = len(client.calls)
+        res = await bounded(sched, prompts, 1)
+        assert restarted not in sched.health.excluded and res.metrics["april/engines_excluded"] == 0
+        engines = collections.Counter(url for url, *_ in client.calls[n_before:])
+        assert set(engines) == set(client.engine_urls), f"the next step's calls went to {dict(engines)}"
+
+    run_virtual(main())
+
+
 def test_hung_abort_does_not_hold_up_replies_that_arrived():
     """One engine's /abort_request hangs (its requests still finish on their own): the drain must
     handle the replies as they come, not wait on that abort first."""

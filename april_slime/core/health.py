@@ -5,8 +5,12 @@ already retried what was safe to retry), that did not answer an abort before the
 or that stalled (requests in flight, no reply for ``stall_probe_after_s``, and a failed health
 probe) is taken out of dispatch until it answers a health probe (a one-token generate within
 ``probe_timeout_s``, retried every ``probe_interval_s`` while a step runs). An engine still out
-when a step starts is probed again by that step. When every engine is out, all of them are used
-(their failures then end the step).
+when a step starts is probed again by that step, before its first call is dispatched: one that
+answers (a launcher restarted it, on the same address) takes its share of the step's first calls,
+which may be all of the step's calls. An engine that let a request, an abort or a probe go
+unanswered past its timeout is not waited for (each step would wait ``probe_timeout_s`` on it);
+it is probed while the step runs. When every engine is out, all of them are used (their failures
+then end the step).
 
 ``EngineWatch`` is one step's view of the engines: the step's requests in flight per engine, when
 each engine last answered, the dispatch choice (verl's per-engine supplementation: the healthy
@@ -39,6 +43,9 @@ class EngineHealth:
     def __init__(self, urls: Iterable[str]):
         self.urls = list(urls)
         self.excluded: dict[str, str] = {}  # url -> why it is out of dispatch
+        # excluded engines that left something unanswered past its timeout: a step does not wait
+        # for their probe before dispatching
+        self.unanswering: set[str] = set()
         self.exclusions = 0  # cumulative
         self.readmissions = 0  # cumulative
 
@@ -47,14 +54,19 @@ class EngineHealth:
         healthy = [u for u in self.urls if u not in self.excluded]
         return healthy or list(self.urls)
 
-    def exclude(self, url: str, reason: str) -> None:
+    def exclude(self, url: str, reason: str, *, unanswering: bool = False) -> None:
+        """``unanswering``: the engine let a request, an abort or a probe go unanswered past its
+        timeout (rather than failing it)."""
         if url not in self.excluded:
             self.exclusions += 1
             logger.warning("engine %s taken out of dispatch until it answers a health probe: %s",
                            url, reason)
         self.excluded[url] = reason
+        if unanswering:
+            self.unanswering.add(url)
 
     def readmit(self, url: str) -> None:
+        self.unanswering.discard(url)
         if self.excluded.pop(url, None) is not None:
             self.readmissions += 1
             logger.info("engine %s answered and is back in dispatch", url)
@@ -120,15 +132,39 @@ class EngineWatch:
                             url, self.in_flight[url], now - self.last_activity[url])
                 self.start_probe(url)
 
-    def probe_excluded(self) -> None:
-        for url in self.health.excluded:
-            self.start_probe(url)
+    async def probe_excluded(self) -> None:
+        """At the start of a step, before its first call: every engine out of dispatch is probed
+        once, at once, and one that answers is back for the step's first calls. Without the wait an
+        engine back since the last step (a launcher restarted it at the same address) would get none
+        of them: they are dispatched before any probe can answer, and a step whose calls all fit in
+        its first fill (or that needs no call, its groups all buffered) would leave it out whole.
+        Engines that left something unanswered past its timeout are not waited for. Those still out
+        are probed every ``probe_interval_s`` while the step runs."""
+        waited = [u for u in self.health.excluded if u not in self.health.unanswering]
+        await asyncio.gather(*(self._probe_once(u) for u in waited))
+        for url in list(self.health.excluded):
+            self.start_probe(url, first_after_s=self.probe_interval_s if url in waited else 0.0)
 
-    def start_probe(self, url: str) -> None:
+    async def _probe_once(self, url: str) -> None:
+        started = self.step.loop.time()
+        try:
+            await self.client.probe(url, timeout_s=self.probe_timeout_s)
+        except Exception as e:
+            self.step.counters.probe_failures += 1
+            # no reply within the timeout: the next steps start without waiting for it
+            silent = self.step.loop.time() - started >= self.probe_timeout_s
+            logger.info("engine %s, out of dispatch, failed its health probe at the step's start: %s", url, e)
+            self.health.exclude(url, self.health.excluded[url], unanswering=silent)
+        else:
+            self.health.readmit(url)
+
+    def start_probe(self, url: str, first_after_s: float = 0.0) -> None:
         if url not in self.probes:
-            self.probes[url] = self.step.loop.create_task(self._probe_loop(url))
+            self.probes[url] = self.step.loop.create_task(self._probe_loop(url, first_after_s))
 
-    async def _probe_loop(self, url: str) -> None:
+    async def _probe_loop(self, url: str, first_after_s: float = 0.0) -> None:
+        if first_after_s > 0:
+            await asyncio.sleep(first_after_s)
         while True:
             try:
                 await self.client.probe(url, timeout_s=self.probe_timeout_s)
@@ -153,7 +189,7 @@ class EngineWatch:
             return False
         self.step.counters.stalled_engines += 1
         self.health.exclude(url, f"no reply for {self.stall_probe_after_s:g} s with requests in "
-                                 f"flight, and the health probe failed: {error}")
+                                 f"flight, and the health probe failed: {error}", unanswering=True)
         return True
 
     # ------------------------------------------------------------------ loads

@@ -314,7 +314,7 @@ class _Step:
             self.s.episodes.attach(self.ctx.events)
         try:
             self.groups.take_buffer()
-            self.engines.probe_excluded()
+            await self.engines.probe_excluded()
             if self.policy.watches_loads:
                 self.engines.watch_loads(self.policy, self.s.load_poll_interval_s)
             await self._fill_phase()
@@ -491,7 +491,7 @@ class _Step:
             self.faults.forget_call(call)
             self.ctx.counters.drain_cancelled_calls += 1
             self.s.health.exclude(call.engine_url, f"no reply to the abort of {call.rid} within the "
-                                                   f"drain deadline ({self.s.drain_timeout_s:g} s)")
+                                                   f"drain deadline ({self.s.drain_timeout_s:g} s)", unanswering=True)
         self.groups.cancel_rewards()
         if self.timeline:
             self._record(work_remaining=False)

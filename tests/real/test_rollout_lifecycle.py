@@ -12,7 +12,15 @@ import pytest
 
 from april_slime import rollout
 from april_slime.core.keys import TOKEN_VERSIONS_KEY
-from tests.support.real_tier import SlimeRolloutManager, check_slime_contract, plugin_args
+from tests.support.real_tier import (
+    Placement,
+    SlimeRolloutManager,
+    abort_and_hold,
+    check_slime_contract,
+    continue_generation,
+    plugin_args,
+    prompt_token_bound,
+)
 
 BATCH, N, MAX_LEN = 4, 2, 32
 
@@ -68,46 +76,71 @@ def test_staleness_bound_restarts_or_drops_buffered_groups(real_stack, tmp_path,
         assert not buffered_group_ids(m.data_source) & stale, "a dropped group is still buffered"
 
 
-def test_partial_buffer_survives_slime_checkpoint_save_and_load(real_stack, tmp_path):
+def test_partial_buffer_survives_slime_checkpoint_save_and_load(real_stack, long_weights, tmp_path):
     """``RolloutManager.save`` after a step, a new job ``--load``-ing that checkpoint: every
     buffered partial comes back with its tokens, log-probs and versions, and is resumed first.
 
-    The new job's step asks for exactly as many groups as were buffered, with no over-provisioning,
-    so it must take (buffered groups first) and finish every one of them: each restored partial is
-    then resumed and trained, however fast or slow the engines run."""
+    The partials are placed, not hoped for (a budget of 32 can finish every request before the
+    abort at target on a busy machine, and leave only finished samples and untouched ones). One
+    sample per prompt, so a group lives on one engine: direct dispatch puts the step's six groups
+    three and three on the two engines, whose weights never end a response before its 256-token
+    budget. Once the second engine's requests are seen running with tokens, SGLang's abort pause
+    cuts them there (their replies carry the tokens) and holds what the plugin sends it again; the
+    first engine's groups run to their budget and meet the target; the drain leaves the held calls
+    with the tokens they had. The checkpoint saved after that step holds unfinished samples with
+    tokens (checked), and the new job's step, asking for exactly as many groups as were buffered
+    with no over-provisioning, must take them first and finish every one: each restored partial
+    is then resumed and trained. A step whose requests the poll missed is followed by another, at
+    most 3 steps (see ``Placement``)."""
+    n, max_len, each, attempts = 1, 256, 4, 3
+    real_stack.push_weights(long_weights[0], real_stack.weight_version() + 1)
+    held = real_stack.engine_urls[1]
     settings = {"april_policy": "april", "april_over_sampling_factor": 3.0}
-    first = SlimeRolloutManager(plugin_args(real_stack, tmp_path / "a", settings=settings, batch=BATCH, n=N,
-                                            max_len=MAX_LEN))
-    # a fast engine can finish every request before the abort: step until a partial is buffered
     try:
-        for saved_id in range(4):
-            first.generate(saved_id)
-            if any(t.response_ids and not t.status.finished
-                   for g in first.data_source.buffer.groups() for t in g.trajectories):
-                break
-        first.save(saved_id)
-    finally:
-        rollout.shutdown()
-        real_stack.wait_idle()
-    saved = partials(first.data_source)
-    assert any(ids for ids, _, _ in saved.values()), "no partial tokens were buffered"
-    assert (tmp_path / "a" / "ckpt" / "rollout" / f"april_state_{saved_id}.bin").exists()
-    # the trainer's half of the checkpoint; slime only --load-s a folder Megatron has saved into
-    (tmp_path / "a" / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(saved_id + 1))
+        first = SlimeRolloutManager(plugin_args(real_stack, tmp_path / "a", settings=settings, batch=2, n=n,
+                                                max_len=max_len))
+        prompt_tokens = prompt_token_bound(real_stack, first.manager.args.prompt_data)
+        placed = False
+        try:
+            for saved_id in range(attempts):
+                placement = Placement([held], lambda: abort_and_hold([held]), running=2, tokens_each=each,
+                                      prompt_tokens=prompt_tokens)
+                try:
+                    first.generate(saved_id)
+                finally:
+                    placed = placement.finish()
+                    continue_generation([held])
+                if placed:
+                    break
+            first.save(saved_id)
+        finally:
+            rollout.shutdown()
+            real_stack.wait_idle()
+        assert placed, f"in {attempts} steps the poll never saw the requests on {held} running with {each} tokens each"
+        saved = partials(first.data_source)
+        unfinished = [i for g in first.data_source.buffer.groups() for t in g.trajectories
+                      if t.response_ids and not t.status.finished
+                      for i in [g.payload["indices"][t.index_in_group]]]
+        assert unfinished, f"the abort on {held} left no unfinished sample with tokens in the buffer: {saved}"
+        assert (tmp_path / "a" / "ckpt" / "rollout" / f"april_state_{saved_id}.bin").exists()
+        # the trainer's half of the checkpoint; slime only --load-s a folder Megatron has saved into
+        (tmp_path / "a" / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(saved_id + 1))
 
-    n_buffered = len(buffered_group_ids(first.data_source))
-    second = SlimeRolloutManager(plugin_args(real_stack, tmp_path / "b", batch=n_buffered, n=N, max_len=MAX_LEN,
-                                             settings={"april_policy": "april", "april_over_sampling_factor": 1.0},
-                                             load=str(tmp_path / "a" / "ckpt")))
-    second.load(saved_id)
-    assert partials(second.data_source) == saved
-    # slime's own data-source state came back too: no prompt of step 0 is handed out again
-    try:
-        samples, _, train = second.generate(saved_id + 1)
+        n_buffered = len(buffered_group_ids(first.data_source))
+        second = SlimeRolloutManager(plugin_args(real_stack, tmp_path / "b", batch=n_buffered, n=n, max_len=max_len,
+                                                 settings={"april_policy": "april", "april_over_sampling_factor": 1.0},
+                                                 load=str(tmp_path / "a" / "ckpt")))
+        second.load(saved_id)
+        assert partials(second.data_source) == saved
+        # slime's own data-source state came back too: no prompt of step 0 is handed out again
+        try:
+            samples, _, train = second.generate(saved_id + 1)
+        finally:
+            rollout.shutdown()
+            real_stack.wait_idle()
     finally:
-        rollout.shutdown()
-        real_stack.wait_idle()
-    check_slime_contract(samples, train, tokenizer=real_stack.tokenizer, batch=n_buffered, n=N, max_len=MAX_LEN,
+        real_stack.restore_weights()
+    check_slime_contract(samples, train, tokenizer=real_stack.tokenizer, batch=n_buffered, n=n, max_len=max_len,
                          prompt_of=lambda s: s.prompt)
     assert {s.index for s in samples} == set(saved), "the step did not take the restored groups first"
     for s in samples:
@@ -115,7 +148,7 @@ def test_partial_buffer_survives_slime_checkpoint_save_and_load(real_stack, tmp_
         assert s.tokens[-s.response_length:][:len(before[0])] == before[0], f"sample {s.index} lost its partial"
         assert s.rollout_log_probs[:len(before[1])] == before[1]
     resumed = [s for s in samples if saved[s.index][0] and saved[s.index][0] != s.tokens[-s.response_length:]]
-    assert resumed, "no restored partial was resumed"
+    assert {s.index for s in resumed} == set(unfinished), "a restored partial was not resumed"
     assert all(s.metadata["april_num_aborts"] > 0 for s in resumed)
 
 

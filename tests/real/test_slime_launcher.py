@@ -263,12 +263,20 @@ def test_an_engine_killed_mid_rollout_through_slimes_fault_tolerance(copris_job)
     assert "Health check failed for rollout engine" in log, run.job.tail()
     assert run.killed not in run.recovered["listed_before"], run.recovered
 
-    # the engine slime recovered (on whatever port was free) takes requests again
+    # the engine slime recovered (on whatever port was free: the killed engine's own, or another)
+    # takes requests again, from the first rollout after the recovery that sends any: at its start
+    # the plugin reads the router's list (a new address) or probes the engines out of dispatch (the
+    # same address) before the first of its requests, which can be all of them
     assert "Recovered 1 dead rollout engines" in log, run.job.tail()
     (recovered,) = set(run.recovered["engines"]) - {survivor}
     later = range(RECOVER_BEFORE, FAULT_ROLLOUTS)
     generating = [r for r in later if run.calls(r)]
     assert generating, f"no rollout after the recovery sent a request (all from rollout 0's surplus): {served}"
+    first_sent = dict(run.sent(generating[0]))
+    assert first_sent.get(recovered, 0) > 0, (
+        f"rollout {generating[0]}, the first after the recovery to send requests, sent none to the recovered "
+        f"engine {recovered} ({'the killed one' if recovered == run.killed else 'not the killed one'}'s "
+        f"address): {first_sent}")
     recovered_served = sum(served[r].get(recovered, 0) for r in later)
     assert recovered_served > 0, f"the recovered engine {recovered} served nothing: {served}"
     assert all(c["url"] in (survivor, recovered) for r in later for c in run.calls(r)), served
