@@ -7,7 +7,10 @@ slime's ``RolloutManager`` actor.
   recorded with its engine, when it was sent and how it ended (a reply, and its tokens, or the
   error), in ``<faults_dir>/rollout_<id>.json`` once the rollout has returned.
 * **When to kill.** In rollout ``faults_kill_rollout``, as soon as ``faults_kill_at`` of the
-  plugin's requests are in flight on one engine, ``<faults_dir>/in_flight.json`` names it: the test
+  plugin's requests are in flight on the engine of the lowest port, ``<faults_dir>/in_flight.json``
+  names it (slime restarts a dead engine on the first free port from its base, so the engine comes
+  back at its own address and the router's list reads as before: the harder case for the plugin,
+  which must notice the engine answers again without a new address to tell it): the test
   waits for that file and SIGKILLs the engine's processes, so the kill lands while they run, not
   before they start (slime's ``--ci-test`` injection crashes its engine at the top of a rollout).
 * **Recovery.** slime restarts the engines its ``RolloutHealthMonitor`` killed in
@@ -34,6 +37,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from april_slime import rollout
 from april_slime.core.transport import HttpTransport
@@ -61,6 +65,7 @@ class _Recorder:
         self.calls: list[dict] = []
         self.in_flight: Counter[str] = Counter()
         self.signalled = False
+        self.kill_target: str | None = None  # the engine to kill, in the rollout of the kill
         original = HttpTransport.request
         recorder = self
 
@@ -90,14 +95,17 @@ class _Recorder:
             self.calls.append(call)
 
     def _signal_if_due(self, url: str) -> None:
-        if self.signalled or self.rollout_id != self.kill_rollout or self.in_flight[url] < self.kill_at:
+        if (self.signalled or self.rollout_id != self.kill_rollout or self.in_flight[url] < self.kill_at
+                or _port(url) != _port(self.kill_target)):
             return
         self.signalled = True
         _write(self.folder / "in_flight.json", {"url": url, "rollout": self.rollout_id,
                                                 "in_flight": self.in_flight[url], "time": time.time()})
 
-    def begin(self, rollout_id: int) -> None:
+    def begin(self, rollout_id: int, engines: list[str]) -> None:
         self.rollout_id, self.calls = rollout_id, []
+        if rollout_id == self.kill_rollout:
+            self.kill_target = min(engines, key=_port)
 
     def end(self) -> None:
         _write(self.folder / f"rollout_{self.rollout_id}.json", self.calls)
@@ -122,6 +130,10 @@ def _router_lists(args: Any) -> list[str]:
     with urllib.request.urlopen(f"http://{args.sglang_router_ip}:{args.sglang_router_port}/workers",
                                 timeout=30) as reply:
         return sorted(w["url"].rstrip("/") for w in json.loads(reply.read())["workers"])
+
+
+def _port(url: str | None) -> int | None:
+    return None if url is None else urlsplit(url).port
 
 
 def _wait(condition, what: str) -> float:
@@ -161,7 +173,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
         _RECORDER = _Recorder(args)
     if rollout_id == int(args.faults_recover_before):
         _recover_as_the_weight_update_would(args, _RECORDER.folder)
-    _RECORDER.begin(rollout_id)
+    _RECORDER.begin(rollout_id, _router_lists(args))
     try:
         return rollout.generate_rollout(args, rollout_id, data_source)
     finally:
