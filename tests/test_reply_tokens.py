@@ -9,6 +9,7 @@ or raise exactly its error.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import re
 
@@ -17,13 +18,14 @@ import pytest
 
 from april_slime.core.sglang_protocol import (
     EngineReplyError,
+    LogprobArrays,
     _checked_lists,
     check_token_ids,
     output_token_arrays,
     output_tokens,
     output_tokens_reference,
 )
-from april_slime.core.transport import decode_json
+from april_slime.core.transport import decode_generate_reply, decode_json
 from april_workbench.bench import decode
 from tests.support.reply_tokens import MUTATIONS, VOCAB, WHERE, base_reply, mutated, outcome
 
@@ -69,6 +71,62 @@ def test_the_arrays_a_reply_result_holds_are_the_lists_the_checks_return(name, v
         return
     assert got_ids.dtype == np.int64 and got_logprobs.dtype == np.float64
     assert outcome(lambda: (got_ids.tolist(), got_logprobs.tolist())) == expected
+
+
+@pytest.mark.parametrize("output_ids", ["sent", "left out"])
+@pytest.mark.parametrize("vocab", [VOCAB, None])
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_a_generate_reply_decoded_compact_checks_as_its_lists_check(name, vocab, output_ids):
+    """``decode_generate_reply`` (what the HTTP transport gives the client) hands a well-formed
+    reply's tokens over as arrays, and the checks then keep or refuse exactly what they keep or
+    refuse of the lists ``decode_json`` makes of the same body."""
+    ids, triples = mutated(name)
+    reply = {"meta_info": {"output_token_logprobs": triples}}
+    if output_ids == "sent":
+        reply["output_ids"] = ids
+    try:
+        body = json.dumps(reply).encode()
+    except (TypeError, ValueError):
+        pytest.skip("no JSON body says this")
+
+    def checked(decoded):
+        return outcome(output_token_arrays, decoded.get("output_ids"), decoded["meta_info"]["output_token_logprobs"],
+                       vocab, WHERE)
+
+    compact = decode_generate_reply(body)
+    assert checked(compact) == checked(decode_json(body))
+    if name in ("well formed", "log-prob 0.0 and -0.0", "no tokens"):
+        assert isinstance(compact["meta_info"]["output_token_logprobs"], LogprobArrays)
+
+
+def test_a_long_reply_is_decoded_without_a_collection_and_keeps_no_list_per_token():
+    """A 16K-token reply decoded as plain JSON is 16K lists, and the young collections its
+    allocations set off promote the half-built reply to the oldest generation; decoded for the
+    client, no collection runs meanwhile and what it returns holds a few objects, not one per token."""
+    n = 16384
+    triples = [[-0.25 - i / n, 1000 + i % 5000, None] for i in range(n)]
+    body = json.dumps({"text": "", "output_ids": [t[1] for t in triples],
+                       "meta_info": {"id": "r", "output_token_logprobs": triples}}).encode()
+    del triples
+    collections: list[int] = []
+
+    def seen(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.collect()
+    before = len(gc.get_objects())
+    gc.callbacks.append(seen)
+    try:
+        reply = decode_generate_reply(body)
+    finally:
+        gc.callbacks.remove(seen)
+    assert collections == [] and gc.isenabled()
+    assert len(gc.get_objects()) - before < 20
+    assert reply["meta_info"]["output_token_logprobs"].token_ids.tolist() == reply["output_ids"].tolist()
+    plain = decode_json(body)
+    assert len(gc.get_objects()) - before > n  # the same body as lists: one per token
+    del plain
 
 
 # ---------------------------------------------------------------------------------- token ids sent

@@ -9,8 +9,8 @@ A generate call is in flight for as long as its engine generates (minutes, at 16
 so everything a call holds while it waits lives into the oldest garbage-collector generation; at
 thousands of calls in flight those objects are what the full collections walk. The retry loop
 therefore keeps its state in one coroutine frame and builds nothing per call beyond the
-deadline's timer: a timed-out attempt's abort is a callback the caller passes once (a bound
-method), not a closure made for every call.
+deadline's timer (none when the transport keeps the deadline itself): a timed-out attempt's
+abort is a callback the caller passes once (a bound method), not a closure made for every call.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ async def call_with_retries(
     stats.calls += 1
     last_error = "no attempt made"
     loop = asyncio.get_running_loop()
+    enforces_timeout = getattr(transport, "enforces_timeout", False)
     held_s = 0.0  # the engine held the attempts this long (EngineError.engine_s)
     for attempt in range(max_retries + 1):
         if attempt > 0:
@@ -86,8 +87,10 @@ async def call_with_retries(
             await asyncio.sleep(retry_backoff_s * 2 ** (attempt - 1))
         sent = loop.time()
         try:
-            # The client enforces the deadline itself, so in-process transports need not; it reads
-            # the loop's clock, which keeps timeouts meaningful under a virtual-time loop.
+            if enforces_timeout:  # its own timer (no second one held while the engine generates)
+                return await transport.request(method, url, path, payload, timeout_s)
+            # Otherwise the client enforces the deadline itself, so in-process transports need
+            # not; it reads the loop's clock, which keeps timeouts meaningful under a virtual-time loop.
             async with asyncio.timeout(timeout_s):
                 return await transport.request(method, url, path, payload, timeout_s)
         except TransportHTTPError as exc:

@@ -1,4 +1,4 @@
-"""How one JSON request reaches an engine: the ``Transport`` protocol and its aiohttp implementation.
+"""How one JSON request reaches an engine: the ``Transport`` protocol and its HTTP implementation.
 
 The client (``engine.py``) owns timeouts, retries and validation; a transport only moves bytes and
 reports what happened, so an in-process stand-in (the emulator's cluster) can take its place.
@@ -6,11 +6,16 @@ reports what happened, so an in-process stand-in (the emulator's cluster) can ta
 
 from __future__ import annotations
 
+import gc
 import json
+from array import array
 from typing import Any, Protocol
 
-import aiohttp
+import numpy as np
 import orjson
+
+from april_slime.core.http_client import ConnectionPool
+from april_slime.core.sglang_protocol import LogprobArrays
 
 
 def decode_json(raw: bytes) -> Any:
@@ -25,6 +30,52 @@ def decode_json(raw: bytes) -> Any:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:
         return json.loads(raw)
+
+
+def decode_generate_reply(raw: bytes) -> Any:
+    """A ``/generate`` reply body -> its JSON value, with a well-formed reply's per-token lists
+    already in the form an in-process engine hands over and the reply checks read as they are:
+    ``meta_info.output_token_logprobs`` as ``LogprobArrays`` and ``output_ids`` as the same int64
+    array. A reply not exactly of SGLang's form (a triple that is not ``[float, int, text]``, ids that
+    differ, a bool, an id beyond 64 bits) keeps its lists, for the checks to name what is wrong.
+
+    Collections are paused meanwhile. Decoding a 16K-token reply makes 16K lists (one per
+    triple), and the young collections its allocations trigger would find the half-built reply alive
+    and promote it: thousands of objects into the oldest generation per reply, a full collection
+    every few replies. Paused, the lists are made and freed without any collection seeing them."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        reply = decode_json(raw)
+        _compact_tokens(reply)
+        return reply
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _compact_tokens(reply: Any) -> None:
+    meta = reply.get("meta_info") if type(reply) is dict else None
+    triples = meta.get("output_token_logprobs") if type(meta) is dict else None
+    if type(triples) is not list:
+        return
+    n = len(triples)
+    if list(map(type, triples)).count(list) != n or list(map(len, triples)).count(3) != n:
+        return
+    logprobs, ids, _ = zip(*triples) if n else ((), (), ())  # the third, a token's text, is read nowhere
+    if list(map(type, logprobs)).count(float) != n or list(map(type, ids)).count(int) != n:
+        return
+    output_ids = reply.get("output_ids")
+    if output_ids is not None and (type(output_ids) is not list or len(output_ids) != n
+                                   or list(map(type, output_ids)).count(int) != n or tuple(output_ids) != ids):
+        return
+    try:
+        id_array = np.frombuffer(array("q", ids), dtype=np.int64)
+    except OverflowError:
+        return
+    meta["output_token_logprobs"] = LogprobArrays(np.frombuffer(array("d", logprobs), dtype=np.float64), id_array)
+    if output_ids is not None:
+        reply["output_ids"] = id_array
 
 
 class TransportHTTPError(Exception):
@@ -43,6 +94,10 @@ class Transport(Protocol):
     when the engine cannot be reached or drops the connection, ``asyncio.TimeoutError`` when
     ``timeout_s`` passes, and ``ValueError`` when a 2xx body is not JSON. An empty 2xx body (SGLang's
     ``/abort_request``) is returned as ``None``.
+
+    The engine client bounds every attempt by ``timeout_s`` on the loop's clock itself, so a
+    transport need not keep a deadline; one that does declares ``enforces_timeout = True`` and the
+    client adds no timer of its own.
     """
 
     async def request(
@@ -51,17 +106,12 @@ class Transport(Protocol):
 
 
 # How long an idle pooled connection is kept for reuse. SGLang's HTTP server (uvicorn) closes an idle
-# connection 5 s after its last reply went out (SGLANG_TIMEOUT_KEEP_ALIVE); aiohttp keeps one 15 s by
-# default after the client read that reply. A call sent in between goes out on a connection the
-# server has closed and fails with "Server disconnected" (then waits out the client's retry
-# backoff): the first refills of a step after a short training phase, a sparse refill. On a busy
-# machine a reply is read a second or more after it was sent, so the client's margin must cover
-# that too; and a call that still meets a closed connection before any reply is sent again at once
-# on a fresh one (``request``).
+# connection 5 s after its last reply went out (SGLANG_TIMEOUT_KEEP_ALIVE). A call sent in between
+# goes out on a connection the server has closed: the first refills of a step after a short
+# training phase, a sparse refill. On a busy machine a reply is read a second or more after it was
+# sent, so the client's margin must cover that too; and a call that still meets a closed connection
+# before any reply is sent again at once on a fresh one (``http_client.ConnectionPool``).
 KEEPALIVE_S = 2.0
-
-
-_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def encode_json(value: Any) -> bytes:
@@ -70,58 +120,24 @@ def encode_json(value: Any) -> bytes:
 
 
 class HttpTransport:
-    """``Transport`` over aiohttp with one shared session (connection pooling across requests).
+    """``Transport`` over HTTP/1.1 keep-alive connections (``http_client``), pooled per engine.
 
-    The session is created on first use, inside the running loop, so the transport can be built
-    anywhere. Connection limits are lifted: the scheduler decides how many requests are in flight,
-    and a pool cap here would silently queue them behind the client's timeout.
+    No connection limit: the scheduler decides how many requests are in flight, and a pool cap
+    here would silently queue them behind the client's timeout. A request in flight holds a
+    handful of tracked objects (its connection is pooled), which is what keeps full garbage
+    collections short with thousands of generate calls in flight.
     """
 
-    def __init__(self) -> None:
-        self._session: aiohttp.ClientSession | None = None
+    enforces_timeout = True  # each connection keeps its call's deadline (``http_client``)
 
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S),
-                # per-request timeouts are passed to every call
-                timeout=aiohttp.ClientTimeout(total=None),
-            )
-        return self._session
+    def __init__(self) -> None:
+        self.pool = ConnectionPool(KEEPALIVE_S)
 
     async def request(
         self, method: str, url: str, path: str, payload: dict | None, timeout_s: float
     ) -> Any:
-        session = self._get_session()
-        for fresh in (False, True):
-            answered = False
-            try:
-                async with session.request(
-                    method,
-                    url.rstrip("/") + path,
-                    data=None if payload is None else encode_json(payload),
-                    headers=None if payload is None else _JSON_HEADERS,
-                    timeout=aiohttp.ClientTimeout(total=timeout_s),
-                ) as response:
-                    answered = True
-                    raw = await response.read()
-                    status = response.status
-                break
-            except TimeoutError:
-                raise
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                # closed before it answered anything ("Server disconnected", or "Can not write
-                # request body" when the close lands while the call is written): a pooled
-                # connection the server had just dropped as idle (KEEPALIVE_S), which never read
-                # this request. A refused connect is a new connection, not a stale one: no resend.
-                stale = not isinstance(exc, aiohttp.ClientConnectorError)
-                if stale and not answered and not fresh:
-                    continue
-                raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
-            except aiohttp.ClientError as exc:
-                # ClientConnectorError is already an OSError, but a server that drops the connection
-                # mid-reply raises ServerDisconnectedError, which is not: normalise both.
-                raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
+        status, raw = await self.pool.request(method, url, path, None if payload is None else encode_json(payload),
+                                              timeout_s)
         if not 200 <= status < 300:
             try:
                 body: Any = decode_json(raw)
@@ -131,11 +147,9 @@ class HttpTransport:
         if not raw.strip():
             return None
         try:
-            return decode_json(raw)
+            return decode_generate_reply(raw) if path == "/generate" else decode_json(raw)
         except ValueError as exc:
             raise ValueError(f"reply is not JSON: {raw[:200].decode('utf-8', 'replace')!r}") from exc
 
     async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
+        self.pool.close()
