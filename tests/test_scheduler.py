@@ -59,6 +59,7 @@ class FakeClient:
         self.split_versions = False  # weights change half-way through every call
         self.abort_at_budget = False  # an aborted reply holds every token its request allowed
         self.budget_aborts = 0  # replies "abort" that filled their request's budget
+        self.transit_s = 0.0  # a generate reaches its engine (an abort can find it) this long after it is sent
 
     def natural_length(self, key, seed) -> int:
         rng = random.Random(_h("len", key, seed))
@@ -83,6 +84,8 @@ class FakeClient:
             raise RequestRejected(f"{engine_url} rejected {rid} with HTTP 400", 400)
         if engine_url in self.wedged or self.hang(engine_url, rid):
             await asyncio.Event().wait()
+        if self.transit_s:
+            await asyncio.sleep(self.transit_s)
         key = tuple(map(int, input_ids[:PROMPT_LEN]))  # a list or an int32 array: the same key
         start = len(input_ids) - PROMPT_LEN
         natural_left = self.natural_length(key, sampling_seed) - start
@@ -1013,6 +1016,33 @@ def test_hung_abort_does_not_hold_up_replies_that_arrived():
         # the longest request takes 30 tokens * 0.05 s; nothing waits on the 120 s abort
         assert res.metrics["april/step_time_s"] <= 30 * 0.05 + 0.5
         check_conservation(prompts, [g.uid for g in res.groups], buffer)
+
+    run_virtual(main())
+
+
+def test_a_call_the_drains_abort_overtook_is_aborted_again_by_one_abort_per_engine():
+    """Calls refilled just before the drain are still in transit when its abort reaches their
+    engine; a long one would run on to its natural end (a minute here). When nothing comes back for
+    an interval the drain aborts again: once per engine still holding calls, not once per call (at
+    N' = 4096 that would be thousands of requests, each on a connection of its own)."""
+
+    async def main():
+        client = FakeClient(token_time=0.05, short=(2, 10), long=(1000, 1200), long_frac=0.5)
+        client.transit_s = 5.0
+        sched, _, buffer = make("copris", client=client, batch=4, n=2, concurrency=16, refill_batch=1,
+                                abort_retry_interval_s=1.0, drain_timeout_s=600.0)
+        prompts = Prompts(2, max_new_tokens=2000)
+        res = await bounded(sched, prompts, 0)
+        check_conservation(prompts, [g.uid for g in res.groups], buffer)
+        drain_s = res.metrics["april/step_time_s"] - res.metrics["april/time_to_target_s"]
+        # the calls in transit were caught within an interval of reaching their engine, not run to their end
+        assert drain_s <= client.transit_s + 2.0, f"calls in transit ran on: a drain of {drain_s:.1f} s"
+        assert res.metrics["april/drain_cancelled_calls"] == 0
+        first = len(client.engine_urls)  # the drain's first abort, one per engine
+        again = client.abort_calls[first:]
+        assert again, "no call was in transit at the drain's abort: nothing tested"
+        assert all(rid is None and abort_all for _, rid, abort_all in client.abort_calls), client.abort_calls
+        assert len(again) <= len(client.engine_urls) * (client.transit_s + 1), again  # per engine and interval
 
     run_virtual(main())
 

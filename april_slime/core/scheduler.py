@@ -479,9 +479,11 @@ class _Step:
                     # below the loop's clock resolution, at which asyncio runs a timer early (on
                     # the benchmark's virtual clock nothing else moves it). The deadline is here.
                     break
-                # the abort may have overtaken a request still in transit: abort those again
-                for call in list(self.calls.in_flight.values()):
-                    self.calls.abort_later(call.engine_url, call.rid)
+                # The abort may have overtaken a request still in transit: abort again, once per
+                # engine still holding calls (once per call: thousands of requests an interval at
+                # N' = 4096, each on a new connection, the generates holding the pooled ones).
+                for url in {call.engine_url: None for call in self.calls.in_flight.values()}:
+                    self.calls.abort_later(url, None)
             self._record(work_remaining=False)
         self._cut_at_deadline()
 
