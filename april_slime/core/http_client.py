@@ -16,12 +16,14 @@ line, header or chunk, a reply head over 64 KiB, bytes the server sends beyond i
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ssl
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024
+_NO_CONTEXT = contextvars.Context()  # where a deadline's callback runs (it reads no context variable)
 
 
 class ReplyDropped(ConnectionError):
@@ -99,6 +101,7 @@ class _Connection(asyncio.Protocol):
         self._on_lost = on_lost
         self._waiter: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._time_out_callback = self._time_out  # bound once: a call's timer adds only itself
         self._timeout_s = 0.0
         self._reply: _Reply | None = None
         self._buffer = bytearray()
@@ -148,9 +151,10 @@ class _Connection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         self._waiter = waiter = loop.create_future()
         self._reply, self._answered = None, False
-        # one timer and no closure per call: the deadline is the connection's own state
+        # one timer and no closure per call: the deadline is the connection's own state, and the
+        # callback needs no context variables (a context of its own would be copied per call)
         self._timeout_s = deadline - loop.time()
-        self._timer = loop.call_at(deadline, self._time_out)
+        self._timer = loop.call_at(deadline, self._time_out_callback, context=_NO_CONTEXT)
         self.transport.write(request)
         return waiter
 
