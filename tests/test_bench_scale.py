@@ -5,8 +5,23 @@ are the benchmark's job, and this machine's load moves them)."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 from april_workbench.bench import scale
+
+
+def _children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    children = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+        except OSError:  # it ended while being read
+            continue
+        if fields.get("PPid", "").strip() == str(pid):
+            children.append(int(fields["Pid"]))
+    return children
 
 
 def test_the_scheduler_cost_splits_the_step_cpu_and_counts_every_call():
@@ -16,6 +31,21 @@ def test_the_scheduler_cost_splits_the_step_cpu_and_counts_every_call():
     assert all(s["plugin_cpu_s"] > 0 and s["emulator_cpu_s"] >= 0 for s in steps)
     assert any(s["emulator_cpu_s"] > 0 for s in steps), "the emulator's CPU was not measured"
     assert unbounded["steps_per_h_charged"] < unbounded["steps_per_h_virtual"]
+
+
+def test_the_run_over_http_measures_only_the_client_and_leaves_no_engine_process():
+    """The engines run in a child process: the step CPU measured is the client's (the plugin, its
+    HTTP client, the JSON of the replies), every call of a step is counted, and the child is gone
+    when the run ends."""
+    result = scale.http_scheduler_cost(64, None, steps=3, max_response_len=1024, time_scale=50.0)
+    steps = result["steps"]
+    assert len(steps) == 3 and sum(s["engine_calls"] for s in steps) > 0  # a step may be served from the buffer
+    assert all(s["plugin_cpu_s"] > 0 and s["emulator_cpu_s"] == 0 for s in steps)
+    assert all(s["generated_tokens"] > 0 for s in steps if s["engine_calls"])
+    assert 0 <= result["gc2_share"] < 1 and result["client_ms_per_call"] > 0
+    assert not _children_of(os.getpid())
+    table = scale.report({"scheduler": [], "http": [result], "checkpoint": [], "objects": None})
+    assert "full collections / step" in table
 
 
 def test_the_checkpoint_cost_reports_a_file_of_the_raw_bytes(tmp_path):
@@ -52,7 +82,7 @@ def test_the_command_measures_only_the_parts_asked_for(tmp_path, capsys):
     [row] = result["scheduler"]
     assert sum(s["generated_tokens"] for s in row["steps"]) > 0 and row["plugin_ms_per_1k_tokens"] > 0
     assert scale.main(["--quick", "--parts", "scheduler,ckpt"]) == 2
-    assert "ckpt is not one of scheduler, checkpoint, objects" in capsys.readouterr().err
+    assert "ckpt is not one of scheduler, http, checkpoint, objects" in capsys.readouterr().err
 
 
 def test_the_command_can_measure_the_checkpoint_alone(tmp_path):
@@ -72,7 +102,7 @@ def test_the_objects_a_call_holds_in_flight_are_counted_over_http_and_in_process
         assert census["per_call"] >= 3 and census["top_per_call"], census
         assert max(census["top_per_call"].values()) <= census["per_call"]
     table = scale.report({"scheduler": [], "checkpoint": [], "objects": result})
-    assert "tracked objects per call in flight (8 calls)" in table and "HTTP (aiohttp)" in table
+    assert "tracked objects per call in flight (8 calls)" in table and "HTTP (the plugin's client)" in table
 
 
 def test_the_docs_show_the_committed_run():

@@ -20,6 +20,7 @@ from april_slime.core.scheduler import assemble_scheduler
 from april_slime.core.transport import HttpTransport
 from april_slime.core.types import Group
 from april_workbench.emulator import EmulatorCluster, SyntheticLM, run_virtual
+from april_workbench.emulator.child import ChildCluster
 
 from .dispatch import SplitDispatch
 from .multiturn import EpisodeDriver, episode_length_stats
@@ -95,7 +96,8 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
                      driver: EpisodeDriver | None = None, token_arrays: bool = True,
                      max_staleness: int | None | str = WORKLOAD_BOUND,
                      step_probe: Callable[[int], contextlib.AbstractContextManager] | None = None,
-                     cluster_hook: Callable[[EmulatorCluster], None] | None = None) -> PolicyRun:
+                     cluster_hook: Callable[[EmulatorCluster], None] | None = None,
+                     engines_in_child: bool = False) -> PolicyRun:
     """Run one policy for ``workload.steps`` rollout + training steps on a fresh emulated cluster,
     inside the running event loop (virtual: the caller runs this under ``run_virtual``). A
     multi-turn workload runs through an ``EpisodeDriver`` (made here unless given).
@@ -103,9 +105,13 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
     token arrays: the same run, slower (the reference the arrays are tested against).
     ``max_staleness``: the bound of this run (None: unbounded); by default the workload's.
     ``step_probe(index)``: a context entered around each step's ``run_step`` alone (what
-    ``bench scale`` measures); ``cluster_hook(cluster)``: called once the cluster has started."""
+    ``bench scale`` measures); ``cluster_hook(cluster)``: called once the cluster has started.
+    ``engines_in_child`` (HTTP only): the engines run in a child process, so this one holds and
+    computes only what a job's rollout process does."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if engines_in_child and mode != "http":
+        raise ValueError(f"engines_in_child needs mode 'http', got {mode!r}")
     scale = 1.0 if mode == "virtual" else float(time_scale)
     budget = max_response_len or workload.max_response_len
     factor = over_sampling_factor if over_sampling_factor is not None else workload.over_sampling_factor
@@ -113,7 +119,7 @@ async def run_policy(label: str, policy: str, workload: Workload, spec: EngineSp
         workload = replace(workload, max_staleness=max_staleness)
     config = _policy_config(policy, workload, concurrency, factor)
     wall0 = time.perf_counter()
-    cluster = EmulatorCluster(
+    cluster = (ChildCluster if engines_in_child else EmulatorCluster)(
         spec.num_engines, model=SyntheticLM(seed=workload.seed, length=workload.length_model()),
         engine_config=spec.engine_config(time_scale=scale))
     await cluster.start()

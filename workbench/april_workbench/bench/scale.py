@@ -1,13 +1,16 @@
 """``april-slime bench scale``: the plugin's own cost at production size, which the virtual clock
 of the policy benchmark cannot see (it does not move while Python computes).
 
-Four measurements, the first three each against the limit that bounds it:
+Five measurements, the first three each against the limit that bounds it:
 
 * **Scheduler CPU per request** (copris, N' = 64 ... 4096, unbounded and at a staleness bound):
   the plugin's CPU in each step's ``run_step`` (the thread's CPU minus what the emulated engines
   and their in-process handlers computed, ``emulator.cputime``), per engine call, step by step;
   the gen-2 collections of the step; and steps/h with that CPU charged to the virtual clock
   (serially: the upper bound of what it costs a real job's rollout).
+* **The same run over HTTP** (``--parts http``; N' = 1024 and 4096): the engines in a child
+  process, so that this one holds and computes what a job's rollout process does (the plugin, its
+  HTTP client, the replies' JSON); its CPU per call and the share of it gen-2 collections take.
 * **Memory per buffered token** and the **full-collection pause** with the buffer alive, for a
   buffer built through ``Trajectory.append`` as replies build it.
 * **Checkpoint** of that buffer (with routed-experts rows or without): file size against the raw
@@ -165,6 +168,46 @@ def scheduler_cost(n_prime: int, bound: int | None, steps: int, max_response_len
         "gc2_share": sum(c.gc2_s for c in steady) / max(sum(c.plugin_cpu_s + c.emulator_cpu_s for c in steady), 1e-9),
         "steps_per_h_virtual": 3600 * len(steady) / virtual,
         "steps_per_h_charged": 3600 * len(steady) / charged,
+    }
+
+
+def http_scheduler_cost(n_prime: int, bound: int | None, steps: int, max_response_len: int = 16384,
+                        time_scale: float = 50.0) -> dict[str, Any]:
+    """The same copris run as ``scheduler_cost``, in a process that holds what a job's rollout process
+    holds: the plugin talks HTTP (``HttpTransport``) to emulated engines in a child process, which
+    run ``time_scale`` emulated seconds per wall second. Every CPU second of this thread in a step
+    is the plugin's, its HTTP client's and the replies' JSON decoding; the gen-2 share is of that."""
+    workload = scale_workload(n_prime, bound, steps, max_response_len)
+    spec = replace(ENGINE_PRESETS[PRESET], num_engines=max(2, n_prime // REQUESTS_PER_ENGINE))
+    costs: list[StepCost] = []
+
+    @contextlib.contextmanager
+    def probe(index: int):
+        gc_clock = _GcClock()
+        cpu0 = time.thread_time()
+        with gc_clock.installed():
+            yield
+        costs.append(StepCost(time.thread_time() - cpu0, 0.0, 0, gc_clock.seconds[2], gc_clock.count[2], 0.0, 0.0))
+
+    def on_step(record) -> None:
+        cost = costs[-1]
+        cost.engine_calls = int(record.metrics.get("april/engine_calls", 0))
+        cost.generated_tokens = int(record.metrics.get("april/generated_tokens", 0))
+        cost.rollout_s, cost.train_s = record.rollout_s, record.train_s
+
+    wall0 = time.perf_counter()
+    asyncio.run(run_policy(f"copris N'={n_prime} over HTTP", "copris", workload, spec, mode="http",
+                           time_scale=time_scale, step_probe=probe, on_step=on_step, max_staleness=bound,
+                           engines_in_child=True))
+    steady = costs[1:] or costs
+    return {
+        "n_prime": n_prime, "bound": bound, "engines": spec.num_engines, "time_scale": time_scale,
+        "samples_per_step": workload.samples_per_step, "steps": [vars(c) for c in costs],
+        "client_ms_per_call": 1e3 * statistics.median(c.plugin_cpu_s / max(c.engine_calls, 1) for c in steady),
+        "client_cpu_s_per_step": statistics.median(c.plugin_cpu_s for c in steady),
+        "gc2_count_per_step": statistics.median(c.gc2_count for c in steady),
+        "gc2_share": sum(c.gc2_s for c in steady) / max(sum(c.plugin_cpu_s for c in steady), 1e-9),
+        "wall_s": time.perf_counter() - wall0,
     }
 
 
@@ -347,7 +390,7 @@ def checkpoint_cost(tokens: int, *, routed: tuple[int, int] | None, folder: Path
 # ============================================================================ objects per call in flight
 def objects_in_flight(calls: int) -> dict[str, Any]:
     """Tracked objects the client process holds per generate call in flight, by transport: over
-    HTTP (aiohttp, what a job uses) to an emulated engine in another process, and in process (the
+    HTTP (``HttpTransport``, what a job uses) to an emulated engine in another process, and in process (the
     virtual mode's ``LocalTransport``, whose count includes the emulated engine's own objects).
 
     A full collection runs once the objects promoted to the oldest generation since the last reach
@@ -424,26 +467,33 @@ def _kind(obj: Any) -> str:
 
 # ============================================================================ the command
 QUICK = {"n_primes": (64, 256), "steps": 3, "tokens": 2_000_000, "routed_tokens": 100_000,
-         "max_response_len": 4096, "calls_in_flight": 32}
+         "max_response_len": 4096, "calls_in_flight": 32, "http_n_primes": (64,), "http_time_scale": 50.0}
 FULL = {"n_primes": (64, 256, 1024, 4096), "steps": 4, "tokens": 30_000_000, "routed_tokens": 2_000_000,
-        "max_response_len": 16384, "calls_in_flight": 256}
+        "max_response_len": 16384, "calls_in_flight": 256, "http_n_primes": (1024, 4096), "http_time_scale": 10.0}
 ROUTED = (48, 8)  # Qwen3-30B-A3B: 48 MoE layers, top-8 of 128 experts
 
 
-PARTS = ("scheduler", "checkpoint", "objects")
+PARTS = ("scheduler", "http", "checkpoint", "objects")
 
 
 def run(*, quick: bool, bounds: tuple[int | None, ...] = (None, 2), n_primes: tuple[int, ...] | None = None,
         tokens: int | None = None, routed_tokens: int | None = None, folder: Path | None = None,
         parts: tuple[str, ...] = PARTS, progress=print) -> dict[str, Any]:
     plan = dict(QUICK if quick else FULL)
+    http_n_primes = n_primes or plan["http_n_primes"]
     n_primes = n_primes or plan["n_primes"]
-    out: dict[str, Any] = {"quick": quick, "scheduler": [], "checkpoint": [], "objects": None}
+    out: dict[str, Any] = {"quick": quick, "scheduler": [], "http": [], "checkpoint": [], "objects": None}
     if "scheduler" in parts:
         for n_prime in n_primes:
             for bound in bounds:
                 progress(f"scheduler: copris N'={n_prime}, bound {bound}")
                 out["scheduler"].append(scheduler_cost(n_prime, bound, plan["steps"], plan["max_response_len"]))
+    if "http" in parts:
+        for n_prime in http_n_primes:
+            for bound in bounds:
+                progress(f"over HTTP, engines in a child process: copris N'={n_prime}, bound {bound}")
+                out["http"].append(http_scheduler_cost(n_prime, bound, plan["steps"], plan["max_response_len"],
+                                                       time_scale=plan["http_time_scale"]))
     if "objects" in parts:
         progress(f"objects per call in flight: {plan['calls_in_flight']} calls")
         out["objects"] = objects_in_flight(plan["calls_in_flight"])
@@ -468,6 +518,13 @@ def report(result: dict[str, Any]) -> str:
               f"{r['plugin_ms_per_call']:.2f} ({', '.join(f'{x:.2f}' for x in r['plugin_ms_per_call_by_step'])})",
               f"{r['plugin_cpu_s_per_step']:.2f}", f"{100 * r['gc2_share']:.2f}%",
               f"{r['steps_per_h_virtual']:.1f}", f"{r['steps_per_h_charged']:.1f}"] for r in result["scheduler"]]))
+    if result.get("http"):
+        tables.append(md_table(
+            ["N'", "bound", "engines", "client ms / call", "client CPU s / step", "full collections / step",
+             "gen-2 GC share"],
+            [[str(r["n_prime"]), "none" if r["bound"] is None else str(r["bound"]), str(r["engines"]),
+              f"{r['client_ms_per_call']:.2f}", f"{r['client_cpu_s_per_step']:.2f}", f"{r['gc2_count_per_step']:g}",
+              f"{100 * r['gc2_share']:.2f}%"] for r in result["http"]]))
     if result["checkpoint"]:
         tables.append(md_table(
             ["tokens", "routed experts", "live B / token", "full GC pause (without the buffer)", "snapshot stall",
@@ -490,7 +547,7 @@ def report(result: dict[str, Any]) -> str:
         tables.append(md_table(
             ["transport", f"tracked objects per call in flight ({objects['calls']} calls)", "most held"],
             [[name, f"{objects[key]['per_call']:.1f}", most_held(objects[key])]
-             for name, key in (("HTTP (aiohttp), engine in another process", "http"),
+             for name, key in (("HTTP (the plugin's client), engine in another process", "http"),
                                ("in process (virtual mode), the emulated engine's included", "in_process"))]))
     return "\n\n".join(tables)
 

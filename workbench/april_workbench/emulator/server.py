@@ -444,7 +444,9 @@ class HttpServer:
 
     async def start(self) -> None:
         await self._runner.setup()
-        await web.SockSite(self._runner, self._sock).start()
+        # uvicorn's (SGLang's server) accept backlog: aiohttp's default of 128 drops the connects of
+        # a first fill of hundreds of requests per engine, which then wait out a SYN retransmit
+        await web.SockSite(self._runner, self._sock, backlog=2048).start()
 
     async def close(self) -> None:
         await self._runner.cleanup()
