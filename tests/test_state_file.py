@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from april_slime.core import checkpoint, state_file
-from april_slime.core.buffer import PartialBuffer
+from april_slime.core.buffer import TRAJECTORY_COLUMNS, PartialBuffer
 from april_slime.core.columns import ByteChunks, Column, logprob_column, token_column
 from april_slime.core.jsonfile import StateFileError
 from april_slime.core.replay import SegmentReplay, int32_bytes
@@ -256,7 +256,9 @@ def test_the_index_refers_to_every_array_once_and_a_state_is_plain_json_otherwis
     path.write_bytes(data)
     state = state_file.decode(path)
     assert state["format"] == checkpoint.STATE_FORMAT and "arrays" not in state
-    assert isinstance(state["buffer"]["groups"][0]["trajectories"][0]["response_ids"], Column)
+    # read in the columnar form: a group counts its trajectories, the columns hold their arrays
+    assert state["buffer"]["groups"][0]["trajectories"] == 2 and "trajectories" not in state
+    assert isinstance(state["buffer"][TRAJECTORY_COLUMNS]["response_ids"][0], Column)
 
 
 # ------------------------------------------------------------------ routed rows as held, and older files

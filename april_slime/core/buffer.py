@@ -25,6 +25,7 @@ it is persisted only inside the data source's checkpoint file, written and read 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,10 @@ from april_slime.core.config import RESUME_PRIORITIES, STALE_ACTIONS
 from april_slime.core.types import Group, TrajectoryStatus
 
 STATE_FORMAT = 1
+TRAJECTORY_COLUMNS = "trajectory_columns"  # the key of a columnar state's trajectories (load_state_dict)
+_RESPONSE_IDS, _LOGPROBS = operator.attrgetter("response_ids"), operator.attrgetter("logprobs")
+_RUN_TOTAL = operator.attrgetter("version_runs.total")
+_FINISHED = frozenset(s for s in TrajectoryStatus if s.finished)
 _COUNTERS = ("restarted_groups", "restarted_tokens", "dropped_groups", "dropped_trajectories",
              "dropped_tokens")
 
@@ -87,7 +92,7 @@ class PartialBuffer:
     def num_partial_trajectories(self) -> int:
         """Unfinished trajectories that already hold generated tokens (work carried over)."""
         return sum(1 for _, g in self._groups.values() for t in g.trajectories
-                   if not t.status.finished and t.response_length > 0)
+                   if t.status not in _FINISHED and t.response_ids)
 
     def num_complete_groups(self) -> int:
         return sum(1 for _, g in self._groups.values() if g.complete)
@@ -173,26 +178,42 @@ class PartialBuffer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace the contents with a saved state (validated before anything is replaced)."""
+        """Replace the contents with a saved state (validated before anything is replaced): the
+        ``state_dict`` form, or the columnar form a state file is read in, where each group's
+        ``"trajectories"`` is its number of trajectories and ``state[TRAJECTORY_COLUMNS]`` maps each
+        field of a trajectory to its values over all of them, in the groups' order. The state is
+        left as it is (a restored checkpoint keeps it as the snapshot of its rollout)."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"buffer state has format {state.get('format')!r}, expected {STATE_FORMAT}")
-        groups = [Group.from_dict(g) for g in state["groups"]]
+        columns = state.get(TRAJECTORY_COLUMNS)
+        groups = ([Group.from_dict(g) for g in state["groups"]] if columns is None
+                  else Group.from_columns(state["groups"], columns))
         seen: set[str] = set()
         for group in groups:
             if group.uid in seen:
                 raise ValueError(f"buffer state holds group {group.uid} twice")
             seen.add(group.uid)
-            for t in group.trajectories:
-                _check_aligned(t)
-                if t.status is TrajectoryStatus.RUNNING:
-                    # a save taken while a reply was pending: the tokens saved are all we have
-                    t.status = TrajectoryStatus.ABORTED if t.response_ids else TrajectoryStatus.PENDING
+        trajectories = [t for group in groups for t in group.trajectories]
+        _check_all_aligned(trajectories)
+        for t in trajectories:
+            if t.status is TrajectoryStatus.RUNNING:
+                # a save taken while a reply was pending: the tokens saved are all we have
+                t.status = TrajectoryStatus.ABORTED if t.response_ids else TrajectoryStatus.PENDING
         counters = state.get("counters", {})
         # what ``put`` checks was checked above, for every group before any was kept
         self._groups = {group.uid: (arrival, group) for arrival, group in enumerate(groups)}
         self._next_arrival = len(groups)
         for name in _COUNTERS:
             setattr(self, name, int(counters.get(name, 0)))
+
+
+def _check_all_aligned(trajectories: list) -> None:
+    """``_check_aligned`` of every one of ``trajectories``, its lengths read in C (a restore checks
+    thousands)."""
+    tokens = list(map(len, map(_RESPONSE_IDS, trajectories)))
+    if tokens != list(map(len, map(_LOGPROBS, trajectories))) or tokens != list(map(_RUN_TOTAL, trajectories)):
+        for t in trajectories:
+            _check_aligned(t)
 
 
 def _check_aligned(t) -> None:

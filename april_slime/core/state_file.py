@@ -19,7 +19,10 @@ referred to by its number k; ``array_dtypes`` (one letter per array: ``i`` int32
 trajectory's prompt ids are written once per group when its trajectories share them; the routed
 experts are written as they are held (uint8 when every id is below 256, ``core.replay``) and read
 back so. The columns cost one JSON value per field and trajectory instead of a keyed object each,
-and reading them back builds one dict per trajectory from the lists.
+and they are read back as they are: ``decode`` gives the buffer state in the columnar form
+``PartialBuffer.load_state_dict`` reads (``TRAJECTORY_COLUMNS``; each group's ``"trajectories"`` its
+count), so a load makes no dict per trajectory and checks each field once per column, and
+``encode`` writes that state (the snapshot of a restored checkpoint) as it was read.
 
 Format 3 (read). One JSON object per trajectory whose arrays are ``{"array": k}``, and ``arrays``:
 ``[dtype, count]`` for every k; routed experts narrowed to uint8 on disk when they fit, which are
@@ -34,11 +37,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from april_slime.core.buffer import TRAJECTORY_COLUMNS
 from april_slime.core.columns import Column
 from april_slime.core.jsonfile import StateFileError
 
@@ -47,6 +53,14 @@ _ALIGN = 64
 _DTYPES = {"<i4": np.dtype("<i4"), "<f8": np.dtype("<f8"), "<f4": np.dtype("<f4"), "|u1": np.dtype("u1")}
 _LETTERS = {"i": "<i4", "d": "<f8", "f": "<f4", "b": "|u1"}  # format 4's array_dtypes
 _LETTER_OF = {dtype: letter for letter, dtype in _LETTERS.items()}
+# an array's dtype in a decoded table is its place in _BY_CODE (vectorised lookups)
+_BY_CODE = tuple(_DTYPES.values())
+_CODE_OF = {name: code for code, name in enumerate(_DTYPES)}
+_ITEMSIZES = np.array([d.itemsize for d in _BY_CODE], dtype=np.int64)
+_CODE_OF_LETTER = np.zeros(256, dtype=np.intp)  # only the letters of _LETTERS are looked up
+for _letter, _name in _LETTERS.items():
+    _CODE_OF_LETTER[ord(_letter)] = _CODE_OF[_name]
+_MAX_COUNT = 2 ** 56  # values of all arrays: more than a file holds, and their bytes still add up in int64
 BYTES_KEY = "__april_bytes__"  # {BYTES_KEY: k}: array k, read back as ``bytes``
 # replay arrays and their stored dtype (None: the routed experts, as held: uint8 or int32)
 _REPLAY_DTYPES = {"routed": None, "top_p_ids": "<i4", "top_p_counts": "<i4", "top_p_log_probs": "<f4",
@@ -118,8 +132,8 @@ class _Writer:
         return sum(_DTYPES[_LETTERS[d]].itemsize * n for d, n in zip(self.dtypes, self.counts))
 
 
-def _trajectory_columns(groups: list[dict[str, Any]], writer: _Writer) -> dict[str, list]:
-    """The trajectories of ``groups`` as one list per field, their arrays given to ``writer``."""
+def _columns_of(groups: list[dict[str, Any]]) -> dict[str, list]:
+    """The trajectories of ``groups`` as one list per field."""
     trajectories = [t for g in groups for t in g["trajectories"]]
     if not trajectories:
         return {}
@@ -127,7 +141,12 @@ def _trajectory_columns(groups: list[dict[str, Any]], writer: _Writer) -> dict[s
     for t in trajectories:
         if t.keys() != keys:
             raise ValueError(f"trajectory {t.get('uid')!r}: fields {sorted(t)} differ from {sorted(keys)}")
-    columns = {key: [t[key] for t in trajectories] for key in keys}
+    return {key: [t[key] for t in trajectories] for key in keys}
+
+
+def _written(columns: dict[str, list], writer: _Writer) -> dict[str, list]:
+    """``columns`` (left as they are) with their arrays given to ``writer``, as they are indexed."""
+    columns = dict(columns)
     for name in _COLUMNS:
         if name in columns:
             add = writer.prompt if name == "prompt_ids" else writer.column
@@ -142,13 +161,21 @@ def _trajectory_columns(groups: list[dict[str, Any]], writer: _Writer) -> dict[s
 
 def encode(state: dict[str, Any]) -> tuple[list[Any], int]:
     """The blocks of the file of ``state`` (a data-source state whose buffer groups come from
-    ``Group.to_dict(shared=True)``) and its size in bytes. Nothing is copied but the index."""
+    ``Group.to_dict(shared=True)``, or the columnar state ``decode`` gives) and its size in bytes.
+    Nothing is copied but the index."""
     writer = _Writer()
-    source = state["buffer"]["groups"]
-    groups = [{**g, "prompt_ids": writer.prompt(g["prompt_ids"]), "trajectories": len(g["trajectories"])}
-              for g in source]
-    columns = _trajectory_columns(source, writer)
-    index = {**state, "buffer": {**state["buffer"], "groups": groups}, "trajectories": columns,
+    buffer = dict(state["buffer"])
+    source, columns = buffer["groups"], buffer.pop(TRAJECTORY_COLUMNS, None)
+    if columns is None:  # a snapshot of the live buffer: one dict per trajectory
+        columns = _columns_of(source)
+        counts = [len(g["trajectories"]) for g in source]
+    else:  # the columnar state a load read (the snapshot of the restored rollout)
+        counts = [g["trajectories"] for g in source]
+        if any(len(c) != sum(counts) for c in columns.values()):
+            raise ValueError(f"rollout {state.get('rollout_id')}: the trajectory columns do not hold "
+                             f"the groups' {sum(counts)} trajectories")
+    groups = [{**g, "prompt_ids": writer.prompt(g["prompt_ids"]), "trajectories": n} for g, n in zip(source, counts)]
+    index = {**state, "buffer": {**buffer, "groups": groups}, "trajectories": _written(columns, writer),
              "array_dtypes": "".join(writer.dtypes), "array_counts": writer.counts}
     try:
         text = json.dumps(index, allow_nan=False).encode("utf-8")
@@ -208,7 +235,7 @@ def decode(path: Path) -> dict[str, Any]:
             _with_arrays_3(table, buffer["groups"])
             del index["arrays"]
         else:
-            _with_arrays(table, buffer["groups"], index.pop("trajectories"))
+            _with_arrays(table, buffer, index.pop("trajectories"))
             del index["array_dtypes"], index["array_counts"]
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise StateFileError(f"{path}: not a valid buffer state ({type(e).__name__}: {e})") from e
@@ -218,14 +245,20 @@ def decode(path: Path) -> dict[str, Any]:
 class _Arrays:
     """The arrays of a file: their dtypes, counts and offsets in the block read from it."""
 
-    def __init__(self, path: Path, dtypes: list[np.dtype], counts: list[int]) -> None:
-        self.path, self.dtypes, self.counts = path, dtypes, counts
-        sizes = np.array([d.itemsize for d in dtypes], dtype=np.int64) * np.array(counts, dtype=np.int64)
+    def __init__(self, path: Path, codes: np.ndarray, counts: list[int]) -> None:
+        """``codes``: each array's dtype as its place in ``_BY_CODE``; ``counts``: its values."""
+        self.path, self.counts = path, counts
+        self._codes = codes
+        self._counts = np.array(counts, dtype=np.int64)
+        sizes = _ITEMSIZES[codes] * self._counts
         ends = np.cumsum(sizes)
         self.nbytes = int(ends[-1]) if len(ends) else 0
-        self.offsets = (ends - sizes).tolist()
+        self._offsets = ends - sizes
+        self.offsets = self._offsets.tolist()
+        self.dtypes = [_BY_CODE[c] for c in codes.tolist()]
         self.block: np.ndarray | None = None
         self._columns: dict[int, Column] = {}
+        self._typed: dict[int, tuple[np.ndarray, np.dtype]] = {}  # code * 8 + offset % itemsize -> view, dtype
 
     @classmethod
     def of(cls, path: Path, index: Any) -> _Arrays:
@@ -239,19 +272,21 @@ class _Arrays:
                 raise StateFileError(f"{path}: the index has no array table")
             for k, entry in enumerate(table):
                 if (not isinstance(entry, list) or len(entry) != 2 or entry[0] not in _DTYPES
-                        or type(entry[1]) is not int or entry[1] < 0):
+                        or type(entry[1]) is not int or not 0 <= entry[1] <= _MAX_COUNT):
                     raise StateFileError(f"{path}: array {k} of the index is {entry!r}, not [dtype, count]")
-            return cls(path, [_DTYPES[d] for d, _ in table], [n for _, n in table])
+            return cls(path, np.array([_CODE_OF[d] for d, _ in table], dtype=np.intp), [n for _, n in table])
         letters, counts = index.get("array_dtypes"), index.get("array_counts")
         if not isinstance(letters, str) or not isinstance(counts, list) or len(letters) != len(counts):
             raise StateFileError(f"{path}: the index has no array table")
         unknown = set(letters) - _LETTERS.keys()
         if unknown:
             raise StateFileError(f"{path}: array dtypes {sorted(unknown)} of the index are none of {sorted(_LETTERS)}")
-        if not all(type(n) is int and n >= 0 for n in counts):
-            raise StateFileError(f"{path}: the index's array counts are not all integers >= 0")
-        dtypes = {letter: _DTYPES[dtype] for letter, dtype in _LETTERS.items()}
-        return cls(path, [dtypes[letter] for letter in letters], counts)
+        # checked whole, in C: a 30 M-token file has thousands of arrays
+        if counts and not (set(map(type, counts)) == {int} and min(counts) >= 0 and sum(counts) <= _MAX_COUNT):
+            raise StateFileError(f"{path}: the index's array counts are not all integers >= 0 "
+                                 f"(adding up to at most {_MAX_COUNT})")
+        codes = _CODE_OF_LETTER[np.frombuffer(letters.encode("ascii"), dtype=np.uint8)]
+        return cls(path, codes, counts)
 
     def _ref(self, k: Any, owner: tuple[str, Any], name: str) -> int:
         if type(k) is not int or not 0 <= k < len(self.counts):
@@ -265,24 +300,43 @@ class _Arrays:
         if type(k) is list:
             return k
         out = self._columns.get(k) if type(k) is int else None
-        return out if out is not None else self._new_column(self._ref(k, owner, name))
-
-    def columns(self, ks: list, uids: list, name: str) -> list:
-        """``column`` of each of ``ks`` (the field ``name`` of trajectories ``uids``), in one pass: a
-        restore makes three per trajectory."""
-        cache, count, out = self._columns, len(self.counts), []
-        for k, uid in zip(ks, uids):
-            if type(k) is not int or not 0 <= k < count:  # plain data, or a reference to nothing (named)
-                out.append(self.column(k, ("trajectory", uid), name))
-                continue
-            column = cache.get(k)
-            out.append(column if column is not None else self._new_column(k))
+        if out is None:
+            self._make((self._ref(k, owner, name),))
+            out = self._columns[k]
         return out
 
-    def _new_column(self, k: int) -> Column:
-        dtype = self.dtypes[k]
-        column = self._columns[k] = Column((np.frombuffer(self.block, dtype, self.counts[k], self.offsets[k]),), dtype)
-        return column
+    def columns(self, ks: list, uids: list, name: str, kind: str = "trajectory") -> list:
+        """``column`` of each of ``ks`` (the field ``name`` of the ``kind``s ``uids``): a restore
+        makes two or three per trajectory, so when every one refers to an array (as a written
+        file's do) they are checked and made at once."""
+        count = len(self.counts)
+        if not ks or set(map(type, ks)) != {int} or min(ks) < 0 or max(ks) >= count:
+            # plain data, or a reference to nothing (named): one at a time
+            return [self.column(k, (kind, uid), name) for k, uid in zip(ks, uids)]
+        self._make(set(ks) - self._columns.keys())
+        return list(map(self._columns.__getitem__, ks))
+
+    def _make(self, ks: Collection[int]) -> None:
+        """A ``Column`` of each array of ``ks`` (valid numbers): a slice of the block's view as the
+        array's dtype at the array's alignment, made once per dtype and alignment (a slice costs a
+        third of a view made with ``np.frombuffer``). The slices are read-only, as the block is."""
+        if not ks:
+            return
+        ks = np.fromiter(ks, dtype=np.int64, count=len(ks))
+        codes, offsets = self._codes[ks], self._offsets[ks]
+        itemsizes = _ITEMSIZES[codes]
+        which = codes * 8 + offsets % itemsizes
+        firsts = offsets // itemsizes
+        lasts = firsts + self._counts[ks]
+        for w in np.unique(which).tolist():
+            if w not in self._typed:
+                dtype, skip = _BY_CODE[w // 8], w % 8
+                self._typed[w] = np.frombuffer(self.block, dtype, (self.nbytes - skip) // dtype.itemsize, skip), dtype
+            view, dtype = self._typed[w]
+            mine = which == w
+            # in C but for Column.__init__: the slices, each in a 1-tuple (zip), made columns
+            pieces = map(view.__getitem__, map(slice, firsts[mine].tolist(), lasts[mine].tolist()))
+            self._columns.update(zip(ks[mine].tolist(), map(Column, zip(pieces), repeat(dtype))))
 
     def view(self, k: Any, owner: tuple[str, Any], name: str) -> memoryview:
         """Array k's bytes: a read-only view, held as a piece of a replay's ``ByteChunks``."""
@@ -322,8 +376,11 @@ class _Arrays:
         return value
 
 
-def _with_arrays(arrays: _Arrays, groups: list[dict[str, Any]], columns: Any) -> None:
-    """Format 4: every group's trajectories as dicts, from the columns, with their arrays."""
+def _with_arrays(arrays: _Arrays, buffer: dict[str, Any], columns: Any) -> None:
+    """Format 4: the trajectory columns, with their arrays, as the buffer state's
+    ``TRAJECTORY_COLUMNS`` (the columnar form ``PartialBuffer.load_state_dict`` reads: no dict per
+    trajectory is made); the groups keep their trajectory counts."""
+    groups = buffer["groups"]
     counts = [g["trajectories"] for g in groups]
     if not all(type(n) is int and n >= 0 for n in counts):
         raise StateFileError(f"{arrays.path}: a group's trajectory count is not an integer >= 0")
@@ -342,13 +399,10 @@ def _with_arrays(arrays: _Arrays, groups: list[dict[str, Any]], columns: Any) ->
     for name in _EPISODE:
         if name in columns:
             columns[name] = [None if v is None else arrays.with_bytes(v) for v in columns[name]]
-    keys = list(columns)
-    rows = [dict(zip(keys, row)) for row in zip(*columns.values())]
-    start = 0
-    for group, count in zip(groups, counts):
-        group["prompt_ids"] = arrays.column(group["prompt_ids"], ("group", group.get("uid")), "prompt_ids")
-        group["trajectories"] = rows[start:start + count]
-        start += count
+    prompts = arrays.columns([g["prompt_ids"] for g in groups], [g.get("uid") for g in groups], "prompt_ids", "group")
+    for group, prompt in zip(groups, prompts):
+        group["prompt_ids"] = prompt
+    buffer[TRAJECTORY_COLUMNS] = columns
 
 
 def _with_arrays_3(arrays: _Arrays, groups: list[dict[str, Any]]) -> None:

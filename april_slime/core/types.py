@@ -16,6 +16,7 @@ with a checkpoint and loaded in another process.
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -258,6 +259,52 @@ class Trajectory:
         t.__dict__.update(values)
         return t
 
+    @classmethod
+    def from_columns(cls, columns: dict[str, list]) -> list[Trajectory]:
+        """The trajectories of ``columns``: each field of ``to_dict``'s data mapped to its values over
+        every trajectory (a state file's layout, ``core.state_file``). Each is what ``from_dict``
+        makes of its row, but every check and conversion runs once per column, mostly in C, instead
+        of once per trajectory and field: a restore makes thousands. ``columns`` is left as it is,
+        so it can be kept (the snapshot of a restored checkpoint)."""
+        names = columns.keys()
+        if not names <= _FIELDS.keys() or not names >= _REQUIRED:
+            unknown, missing = sorted(names - _FIELDS.keys()), sorted(_REQUIRED - names)
+            raise TypeError(f"trajectory columns: unknown fields {unknown}, missing fields {missing}")
+        if not all(type(c) is list for c in columns.values()):
+            raise TypeError("trajectory columns: a field's values are not a list")
+        n = len(columns["uid"])
+        if any(len(c) != n for c in columns.values()):
+            lengths = sorted({len(c) for c in columns.values()})
+            raise ValueError(f"trajectory columns: {lengths} values, not one per trajectory")
+        uids = columns["uid"]
+        values = {}
+        for name in _FIELDS:  # the record's own order
+            if name in columns:
+                values[name] = columns[name]
+            elif name in _PLAIN_DEFAULTS:
+                values[name] = [_PLAIN_DEFAULTS[name]] * n  # immutable: None, 0, a status
+            else:
+                values[name] = [_MADE_DEFAULTS[name]() for _ in range(n)]
+        for name, dtype in _COLUMN_DTYPES.items():
+            values[name] = _as_columns(values[name], name, dtype, uids)
+        values["status"] = _statuses(values["status"], uids)
+        # lists the trajectory changes in place are its own: ``columns`` may be kept
+        values["call_versions"] = list(map(list, values["call_versions"]))
+        values["loss_mask"] = [None if m is None else list(m) for m in values["loss_mask"]]
+        try:
+            values["version_runs"] = VersionRuns.each(values["version_runs"])
+        except (TypeError, ValueError):  # refused by name
+            _each(_version_runs, values["version_runs"], uids, "version_runs")
+            raise  # pragma: no cover (refused again above)
+        if values["replay"].count(None) != n:  # a job that replays nothing has none
+            values["replay"] = _each(_replay, values["replay"], uids, "replay")
+        keys, new, out = tuple(values), cls.__new__, []
+        for row in zip(*values.values()):
+            t = new(cls)
+            t.__dict__.update(zip(keys, row))
+            out.append(t)
+        return out
+
 
 # Trajectory.from_dict: the fields, those without a default, and the defaults (values, or made
 # fresh for each trajectory: lists and the mutable version runs)
@@ -265,6 +312,49 @@ _FIELDS = {f.name: f for f in fields(Trajectory)}
 _REQUIRED = frozenset(n for n, f in _FIELDS.items() if f.default is MISSING and f.default_factory is MISSING)
 _PLAIN_DEFAULTS = {n: f.default for n, f in _FIELDS.items() if f.default is not MISSING}
 _MADE_DEFAULTS = {n: f.default_factory for n, f in _FIELDS.items() if f.default_factory is not MISSING}
+_DTYPE_OF = operator.attrgetter("dtype")
+# a status by its saved value, or itself (what ``TrajectoryStatus(value)`` accepts)
+_STATUS_OF = {**{s.value: s for s in TrajectoryStatus}, **{s: s for s in TrajectoryStatus}}
+
+
+def _as_columns(values: list, name: str, dtype: np.dtype, uids: list) -> list:
+    """``values`` (field ``name`` of trajectories ``uids``) as columns of ``dtype``: the list itself
+    when every one already is one, as a restore's are."""
+    if set(map(type, values)) <= {Column} and set(map(_DTYPE_OF, values)) <= {dtype}:
+        return values
+    convert = _TOKEN_COLUMNS[name]
+    return [v if type(v) is Column and v.dtype == dtype else convert(v, f"{uid}: {name}")
+            for v, uid in zip(values, uids)]
+
+
+def _statuses(values: list, uids: list) -> list[TrajectoryStatus]:
+    try:
+        return list(map(_STATUS_OF.__getitem__, values))
+    except (KeyError, TypeError):  # none: refused by name
+        return _each(TrajectoryStatus, values, uids, "status")
+
+
+def _version_runs(value: Any) -> VersionRuns:
+    return value if isinstance(value, VersionRuns) else VersionRuns.of(value)
+
+
+def _replay(value: Any) -> TokenReplay | None:
+    return value if value is None or isinstance(value, TokenReplay) else TokenReplay.from_dict(value)
+
+
+def _each(convert: Any, values: list, uids: list, name: str) -> list:
+    """``convert`` of each of ``values`` (the field ``name`` of trajectories ``uids``); an error
+    names the trajectory whose value it refused."""
+    try:
+        return list(map(convert, values))
+    except (TypeError, ValueError):
+        for value, uid in zip(values, uids):
+            try:
+                convert(value)
+            except (TypeError, ValueError) as e:
+                raise (TypeError if isinstance(e, TypeError) else ValueError)(
+                    f"trajectory {uid!r}: {name}: {e}") from e
+        raise  # pragma: no cover (a value refused once is refused again)
 
 
 @dataclass
@@ -324,3 +414,36 @@ class Group:
         d = dict(d)
         d["trajectories"] = [Trajectory.from_dict(t) for t in d["trajectories"]]
         return cls(**d)
+
+    @classmethod
+    def from_columns(cls, groups: list[dict[str, Any]], columns: dict[str, list]) -> list[Group]:
+        """The groups of ``groups``, whose ``"trajectories"`` each say how many of the trajectories
+        of ``columns`` (``Trajectory.from_columns``), in order, are theirs."""
+        counts = [g["trajectories"] for g in groups]
+        if not all(type(n) is int and n >= 0 for n in counts):
+            raise ValueError("a group's trajectory count is not an integer >= 0")
+        trajectories = Trajectory.from_columns(columns) if columns else []
+        if sum(counts) != len(trajectories):
+            raise ValueError(f"the groups count {sum(counts)} trajectories, the columns hold {len(trajectories)}")
+        out, start, new = [], 0, cls.__new__
+        for group, count in zip(groups, counts):
+            # filled whole, as ``Trajectory.from_dict`` fills a trajectory: ``__init__``'s assignments
+            # would each call ``__setattr__``; its one conversion (the prompt) is made here
+            names = group.keys()
+            if not names <= _GROUP_FIELDS.keys() or not names >= _GROUP_REQUIRED:
+                unknown, missing = sorted(names - _GROUP_FIELDS.keys()), sorted(_GROUP_REQUIRED - names)
+                raise TypeError(f"group {group.get('uid')!r}: unknown fields {unknown}, missing fields {missing}")
+            g = new(cls)
+            g.__dict__.update(_GROUP_DEFAULTS)
+            g.__dict__.update(group)
+            g.trajectories = trajectories[start:start + count]
+            if type(g.prompt_ids) is not Column or g.prompt_ids.dtype != TOKEN_DTYPE:
+                g.prompt_ids = g.prompt_ids  # converted by __setattr__
+            out.append(g)
+            start += count
+        return out
+
+
+_GROUP_FIELDS = {f.name: f for f in fields(Group)}
+_GROUP_REQUIRED = frozenset(n for n, f in _GROUP_FIELDS.items() if f.default is MISSING)
+_GROUP_DEFAULTS = {n: f.default for n, f in _GROUP_FIELDS.items() if f.default is not MISSING}

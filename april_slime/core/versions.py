@@ -19,6 +19,7 @@ readings below (``newest``, ``oldest``, ``total``, ...).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 
 class VersionRuns:
@@ -44,6 +45,29 @@ class VersionRuns:
         if total is not None and runs.total != total:
             raise ValueError(f"per-token versions {runs!r} cover {runs.total} tokens, not {total}")
         return runs
+
+    @classmethod
+    def each(cls, many: Iterable[Any]) -> list[VersionRuns]:
+        """``of`` of each of ``many`` (lists of pairs; a ``VersionRuns`` is kept as it is), in one
+        loop: a restore reads thousands. Pairs already as ``add`` keeps them (ints, counts > 0,
+        no version twice in a row: what ``plain`` wrote) are taken as they are."""
+        out, new = [], cls.__new__
+        for pairs in many:
+            if type(pairs) is list:
+                held, total, last = [], 0, None
+                for version, count in pairs:
+                    if type(count) is not int or type(version) is not int or count <= 0 or version == last:
+                        break
+                    held.append([version, count])
+                    total += count
+                    last = version
+                else:
+                    runs = new(cls)
+                    runs._runs, runs._total = held, total
+                    out.append(runs)
+                    continue
+            out.append(pairs if isinstance(pairs, VersionRuns) else cls.of(pairs))
+        return out
 
     @classmethod
     def single(cls, version: int, count: int) -> VersionRuns:

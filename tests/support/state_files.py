@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from april_slime.core.buffer import TRAJECTORY_COLUMNS
 from april_slime.core.checkpoint import existing_state_file, read_state
 from april_slime.core.columns import Column
 
@@ -19,8 +20,15 @@ def state_path(folder: Path, rollout_id: int) -> Path:
 
 
 def read_plain_state(folder: Path, rollout_id: int) -> dict[str, Any]:
-    """Checkpoint ``rollout_id``'s state in ``folder``, every array a list (replay rows ``bytes``)."""
-    return _plain(read_state(state_path(folder, rollout_id), rollout_id))
+    """Checkpoint ``rollout_id``'s state in ``folder``, every array a list (replay rows ``bytes``),
+    each group holding its trajectories as dicts (``state_dict``'s form, whatever the file's)."""
+    state = read_state(state_path(folder, rollout_id), rollout_id)
+    columns = state["buffer"].pop(TRAJECTORY_COLUMNS, None)
+    if columns is not None:
+        rows = [dict(zip(columns, row)) for row in zip(*columns.values())]
+        for group in state["buffer"]["groups"]:
+            group["trajectories"], rows = rows[:group["trajectories"]], rows[group["trajectories"]:]
+    return _plain(state)
 
 
 def _plain(value: Any) -> Any:
