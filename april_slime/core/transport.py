@@ -93,7 +93,9 @@ class Transport(Protocol):
     Raises ``TransportHTTPError(status, body)`` on a non-2xx reply, ``ConnectionError``/``OSError``
     when the engine cannot be reached or drops the connection, ``asyncio.TimeoutError`` when
     ``timeout_s`` passes, and ``ValueError`` when a 2xx body is not JSON. An empty 2xx body (SGLang's
-    ``/abort_request``) is returned as ``None``.
+    ``/abort_request``) is returned as ``None``. A ``/generate`` reply's per-token values may come as
+    arrays (``decode_generate_reply``: ``output_ids`` an int64 array, ``meta_info.output_token_logprobs``
+    a ``LogprobArrays``), which the reply checks read as they are.
 
     The engine client bounds every attempt by ``timeout_s`` on the loop's clock itself, so a
     transport need not keep a deadline; one that does declares ``enforces_timeout = True`` and the

@@ -121,7 +121,8 @@ class RecordingTransport:
         except BaseException as e:
             attempt.ended, attempt.error = self._now(), f"{type(e).__name__}: {e}"
             raise
-        attempt.ended, attempt.tokens = self._now(), len(reply.get("output_ids") or [])
+        ids = reply.get("output_ids")  # a list, or an array (``transport.decode_generate_reply``)
+        attempt.ended, attempt.tokens = self._now(), 0 if ids is None else len(ids)
         return reply
 
     async def close(self) -> None:

@@ -32,7 +32,8 @@ def record_spans(monkeypatch) -> list[Span]:
         start, tokens = time.monotonic(), 0
         try:
             reply = await request(self, method, url, path, payload, timeout_s)
-            tokens = len(reply.get("output_ids") or []) if isinstance(reply, dict) else 0
+            ids = reply.get("output_ids") if isinstance(reply, dict) else None  # a list or an array
+            tokens = 0 if ids is None else len(ids)
             return reply
         finally:
             spans.append(Span(url.rstrip("/"), start, time.monotonic(), tokens))
