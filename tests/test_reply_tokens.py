@@ -177,7 +177,7 @@ def test_the_decode_benchmark_runs_and_reports_its_ratios(tmp_path, capsys):
     out = tmp_path / "decode.json"
     assert decode.main(["--tokens", "512", "--rounds", "3", "--calls", "1", "--json", str(out)]) == 0
     report = capsys.readouterr().out
-    assert "client: decode_json + parse_generate_reply" in report and "time / orjson.loads" in report
+    assert "client: decode_generate_reply + parse_generate_reply" in report and "time / orjson.loads" in report
     figures = json.loads(out.read_text())
     assert figures["tokens"] == 512 and set(figures["paths"]) == {"orjson.loads", "client", "reference"}
     assert figures["paths"]["orjson.loads"]["ratio_median"] == 1.0

@@ -11,8 +11,8 @@ bookkeeping fields, encoded with orjson as SGLang encodes it. Every round times,
 same bytes:
 
 * ``orjson.loads`` alone: the floor, decoding and nothing else;
-* the client: ``decode_json`` + ``parse_generate_reply``, what ``HttpTransport.request`` and
-  ``EngineClient.generate`` do with every reply;
+* the client: ``decode_generate_reply`` + ``parse_generate_reply``, what ``HttpTransport.request``
+  and ``EngineClient.generate`` do with every reply;
 * the reference: the standard library's ``json.loads`` + the item-by-item reply checks, which is
   what the client did before it used orjson and whole-list checks.
 
@@ -42,7 +42,7 @@ from april_slime.core.sglang_protocol import (
     output_tokens_reference,
     parse_generate_reply,
 )
-from april_slime.core.transport import decode_json
+from april_slime.core.transport import decode_generate_reply
 
 VOCAB_SIZE = 151936  # Qwen3's
 ENGINE_URL = "http://engine-0:30000"
@@ -71,7 +71,7 @@ def sglang_reply(tokens: int, seed: int = 0) -> dict[str, Any]:
 
 
 def _client(raw: bytes) -> Any:
-    return parse_generate_reply(decode_json(raw), engine_url=ENGINE_URL, rid=RID,
+    return parse_generate_reply(decode_generate_reply(raw), engine_url=ENGINE_URL, rid=RID,
                                 max_new_tokens=1 << 20, vocab_size=VOCAB_SIZE)
 
 
@@ -88,7 +88,7 @@ PATHS: dict[str, Callable[[bytes], Any]] = {
 }
 LABELS = {
     "orjson.loads": "orjson.loads alone (the floor)",
-    "client": "client: decode_json + parse_generate_reply",
+    "client": "client: decode_generate_reply + parse_generate_reply",
     "reference": "before: json.loads + item-by-item checks",
 }
 
