@@ -11,6 +11,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from tests.support.engine_spans import reply_token_count
+
 
 class GroupLedger:
     """Every group the prompt source handed out is, after every step, in exactly one place:
@@ -121,8 +123,7 @@ class RecordingTransport:
         except BaseException as e:
             attempt.ended, attempt.error = self._now(), f"{type(e).__name__}: {e}"
             raise
-        ids = reply.get("output_ids")  # a list, or an array (``transport.decode_generate_reply``)
-        attempt.ended, attempt.tokens = self._now(), 0 if ids is None else len(ids)
+        attempt.ended, attempt.tokens = self._now(), reply_token_count(reply) or 0
         return reply
 
     async def close(self) -> None:

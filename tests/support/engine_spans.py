@@ -13,6 +13,15 @@ from dataclasses import dataclass
 from april_slime.core.transport import HttpTransport
 
 
+def reply_token_count(reply) -> int | None:
+    """The tokens a ``/generate`` reply brought back, its ``output_ids`` a list or an array
+    (``transport.decode_generate_reply``); None for a reply that is not a JSON object."""
+    if not isinstance(reply, dict):
+        return None
+    ids = reply.get("output_ids")
+    return 0 if ids is None else len(ids)
+
+
 @dataclass(frozen=True)
 class Span:
     url: str
@@ -32,8 +41,7 @@ def record_spans(monkeypatch) -> list[Span]:
         start, tokens = time.monotonic(), 0
         try:
             reply = await request(self, method, url, path, payload, timeout_s)
-            ids = reply.get("output_ids") if isinstance(reply, dict) else None  # a list or an array
-            tokens = 0 if ids is None else len(ids)
+            tokens = reply_token_count(reply) or 0
             return reply
         finally:
             spans.append(Span(url.rstrip("/"), start, time.monotonic(), tokens))

@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 
 from april_slime import rollout
 from april_slime.core.transport import HttpTransport
+from tests.support.engine_spans import reply_token_count
 
 # how long the recovery waits for slime's health monitor to mark the killed engine dead, and for
 # the router to list the engine slime started in its place (a loaded 2-core machine is slow)
@@ -87,7 +88,7 @@ class _Recorder:
             call["error"] = f"{type(e).__name__}: {e}"[:300]
             raise
         else:
-            call["tokens"] = len(reply.get("output_ids") or []) if isinstance(reply, dict) else None
+            call["tokens"] = reply_token_count(reply)
             return reply
         finally:
             call["ended"] = time.time()
