@@ -42,7 +42,7 @@ class _Malformed(Exception):
 class _Reply:
     """The incremental parse of one reply: head, then body by its framing."""
 
-    __slots__ = ("status", "keep_alive", "length", "chunked", "body", "chunk_left", "done", "trailer")
+    __slots__ = ("status", "keep_alive", "length", "chunked", "body", "chunk_left", "trailer")
 
     def __init__(self) -> None:
         self.status = 0
@@ -51,7 +51,6 @@ class _Reply:
         self.chunked = False
         self.body = bytearray()
         self.chunk_left = -1  # bytes left of the current chunk (+2 for its CRLF); -1: a size line is due
-        self.done = False
         self.trailer = False  # the last chunk was read; trailer lines until an empty one
 
 
@@ -244,7 +243,6 @@ class _Connection(asyncio.Protocol):
             reply.chunk_left = -1
 
     def _settle(self, reply: _Reply) -> None:
-        reply.done = True
         self._waiter.set_result((reply.status, reply.body, reply.keep_alive and not self.closed))
 
 

@@ -482,7 +482,7 @@ class _Step:
                 # The abort may have overtaken a request still in transit: abort again, once per
                 # engine still holding calls (once per call: thousands of requests an interval at
                 # N' = 4096, each on a new connection, the generates holding the pooled ones).
-                for url in {call.engine_url: None for call in self.calls.in_flight.values()}:
+                for url in self.engines.busy():
                     self.calls.abort_later(url, None)
             self._record(work_remaining=False)
         self._cut_at_deadline()

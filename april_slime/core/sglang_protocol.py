@@ -198,6 +198,23 @@ def _checked_lists(output_ids: Any, triples: Any,
     return list(output_ids), logprobs, (as_int64, as_float64)
 
 
+def compact_generate_reply(reply: Any) -> None:
+    """A decoded ``/generate`` reply's per-token lists replaced, in place, by the arrays the
+    whole-list checks build of them (``meta_info.output_token_logprobs`` as ``LogprobArrays``,
+    ``output_ids`` as the same int64 array), when those checks vouch for them with the vocabulary
+    unknown; the client's checks read them as they are and apply the vocabulary. A reply they
+    cannot vouch for is left as it is, for the checks to name what is wrong."""
+    meta = reply.get("meta_info") if type(reply) is dict else None
+    triples = meta.get("output_token_logprobs") if type(meta) is dict else None
+    checked = _checked_lists(reply.get("output_ids"), triples, None) if triples is not None else None
+    if checked is None:
+        return
+    ids, logprobs = checked[2]
+    meta["output_token_logprobs"] = LogprobArrays(logprobs, ids)
+    if reply.get("output_ids") is not None:
+        reply["output_ids"] = ids
+
+
 def _checked_arrays(output_ids: Any, arrays: LogprobArrays,
                     vocab_size: int | None) -> tuple[np.ndarray, np.ndarray] | None:
     """``output_token_arrays`` for ``LogprobArrays`` (and ``output_ids`` as an int64 array or

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import gc
 import json
-from array import array
 from typing import Any, Protocol
 
-import numpy as np
 import orjson
 
 from april_slime.core.http_client import ConnectionPool
-from april_slime.core.sglang_protocol import LogprobArrays
+from april_slime.core.sglang_protocol import compact_generate_reply
 
 
 def decode_json(raw: bytes) -> Any:
@@ -36,8 +34,8 @@ def decode_generate_reply(raw: bytes) -> Any:
     """A ``/generate`` reply body -> its JSON value, with a well-formed reply's per-token lists
     already in the form an in-process engine hands over and the reply checks read as they are:
     ``meta_info.output_token_logprobs`` as ``LogprobArrays`` and ``output_ids`` as the same int64
-    array. A reply not exactly of SGLang's form (a triple that is not ``[float, int, text]``, ids that
-    differ, a bool, an id beyond 64 bits) keeps its lists, for the checks to name what is wrong.
+    array (``compact_generate_reply``). A reply the whole-list checks cannot vouch for keeps its
+    lists, for the checks to name what is wrong.
 
     Collections are paused meanwhile. Decoding a 16K-token reply makes 16K lists (one per
     triple), and the young collections its allocations trigger would find the half-built reply alive
@@ -47,35 +45,11 @@ def decode_generate_reply(raw: bytes) -> Any:
     gc.disable()
     try:
         reply = decode_json(raw)
-        _compact_tokens(reply)
+        compact_generate_reply(reply)
         return reply
     finally:
         if enabled:
             gc.enable()
-
-
-def _compact_tokens(reply: Any) -> None:
-    meta = reply.get("meta_info") if type(reply) is dict else None
-    triples = meta.get("output_token_logprobs") if type(meta) is dict else None
-    if type(triples) is not list:
-        return
-    n = len(triples)
-    if list(map(type, triples)).count(list) != n or list(map(len, triples)).count(3) != n:
-        return
-    logprobs, ids, _ = zip(*triples) if n else ((), (), ())  # the third, a token's text, is read nowhere
-    if list(map(type, logprobs)).count(float) != n or list(map(type, ids)).count(int) != n:
-        return
-    output_ids = reply.get("output_ids")
-    if output_ids is not None and (type(output_ids) is not list or len(output_ids) != n
-                                   or list(map(type, output_ids)).count(int) != n or tuple(output_ids) != ids):
-        return
-    try:
-        id_array = np.frombuffer(array("q", ids), dtype=np.int64)
-    except OverflowError:
-        return
-    meta["output_token_logprobs"] = LogprobArrays(np.frombuffer(array("d", logprobs), dtype=np.float64), id_array)
-    if output_ids is not None:
-        reply["output_ids"] = id_array
 
 
 class TransportHTTPError(Exception):
