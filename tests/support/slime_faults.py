@@ -174,6 +174,8 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
         _RECORDER = _Recorder(args)
     if rollout_id == int(args.faults_recover_before):
         _recover_as_the_weight_update_would(args, _RECORDER.folder)
+    # the router may list no worker yet when the first rollout starts (slime adds its engines as they come up)
+    _wait(lambda: _router_lists(args), "the router to list the engines")
     _RECORDER.begin(rollout_id, _router_lists(args))
     try:
         return rollout.generate_rollout(args, rollout_id, data_source)
