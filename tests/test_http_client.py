@@ -265,6 +265,76 @@ async def test_a_url_it_cannot_serve_is_named(url):
         await ConnectionPool(KEEPALIVE_S).request("GET", url, "/x", None, 1.0)
 
 
+class _FullBacklog:
+    """A listening socket that never accepts, with room for one queued connection: once that one
+    is taken, every further connect stays pending (the kernel drops its SYN)."""
+
+    def __enter__(self) -> str:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(0)
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
+
+
+async def _objects_per_pending_connect(pool: ConnectionPool, url: str, calls: int) -> float:
+    first = asyncio.create_task(pool.request("GET", url, "/x", None, 60.0))  # takes the queue's one place
+    await _until(lambda: pool.opened == 1)
+    gc.collect()
+    before = len(gc.get_objects())
+    tasks = [asyncio.create_task(pool.request("GET", url, "/x", None, 60.0)) for _ in range(calls)]
+    for _ in range(3):
+        await asyncio.sleep(0)  # each call has sent its SYN and waits on the selector
+    gc.collect()
+    per_connect = (len(gc.get_objects()) - before) / calls
+    assert pool.opened == 1  # the connects are pending, not done
+    for task in (first, *tasks):
+        task.cancel()
+    await asyncio.gather(first, *tasks, return_exceptions=True)
+    return per_connect
+
+
+async def test_a_pending_connect_holds_a_handful_of_objects_and_leaves_nothing_when_cancelled():
+    """Each step of a job opens its connections anew, thousands at once, and they wait for the
+    engines to accept. asyncio's own connect path held about 45 tracked objects per connect
+    meanwhile (each promoted to the oldest generation by the time it connected)."""
+    pool = ConnectionPool(KEEPALIVE_S)
+    selector = asyncio.get_running_loop()._selector
+    registered = len(selector.get_map())
+    with _FullBacklog() as url:
+        per_connect = await _objects_per_pending_connect(pool, url, 64)
+        assert per_connect <= 24, per_connect  # the call's task and coroutines, its socket, its waiter
+        await asyncio.sleep(0)
+        assert pool.open_connections() == 0
+        assert len(selector.get_map()) == registered  # a cancelled connect took its socket off the loop
+
+
+async def test_a_connect_the_engine_does_not_accept_fails_at_the_calls_deadline():
+    pool = ConnectionPool(KEEPALIVE_S)
+    with _FullBacklog() as url:
+        first = asyncio.create_task(pool.request("GET", url, "/x", None, 60.0))
+        await _until(lambda: pool.opened == 1)
+        with pytest.raises(TimeoutError, match="no connection within the call's deadline"):
+            async with asyncio.timeout(60):  # a connect that never timed out fails here, not hangs
+                await pool.request("GET", url, "/x", None, 0.2)
+        assert pool.opened == 1
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+
+
+async def test_a_request_larger_than_the_sockets_buffers_is_sent_whole():
+    body = b"[" + b"1," * (16 * 1024 * 1024) + b"1]"  # 32 MiB: more than the socket takes at once
+    pool = ConnectionPool(KEEPALIVE_S)
+    async with RawServer([JSON_OK]) as server:
+        assert await pool.request("POST", server.url, "/generate", body, 60.0) == (200, bytearray(b'{"ok": [1]}'))
+        assert server.requests[0].endswith(body)
+        assert await pool.request("POST", server.url, "/generate", b"{}", 60.0) == (200, bytearray(b'{"ok": [1]}'))
+        assert (server.connections, len(server.requests)) == (1, 2)  # the same connection, reused after
+        pool.close()
+
+
 async def test_a_url_with_a_path_prefix_keeps_it():
     pool = ConnectionPool(KEEPALIVE_S)
     async with RawServer([JSON_OK]) as server:

@@ -1,4 +1,4 @@
-"""A keep-alive HTTP/1.1 client for the engines' JSON calls, on ``asyncio.Protocol``.
+"""A keep-alive HTTP/1.1 client for the engines' JSON calls, on asyncio's event loop.
 
 Why not a general client (aiohttp): a generate call is in flight for as long as its engine
 generates, so everything the client holds for it meanwhile outlives the young collections and is
@@ -6,6 +6,13 @@ walked by every full collection. aiohttp holds about 70 tracked objects per requ
 thousands of requests in flight those, not the plugin's data, are what the full collections walk.
 Here a request in flight holds its reply's future and the coroutine awaiting it; the rest lives in
 its connection, which is pooled and outlives the call.
+
+A plain-TCP connection is a non-blocking socket watched by the loop (``_SocketTransport``) rather
+than ``loop.create_connection``'s transport: every step of a job opens its N' connections anew (the
+engines drop idle ones during the training phase), thousands at once, and a call waiting for
+asyncio's connect held about 45 tracked objects, against about 20 here; each was promoted to the
+oldest generation by the time it connected, and so set off full collections. HTTPS origins keep
+asyncio's own transport.
 
 What it speaks: one request at a time per connection (no pipelining), bodies framed by
 ``Content-Length``, chunked replies, replies read until close, ``Connection: close`` and HTTP/1.0
@@ -17,6 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import errno
+import os
+import socket
 import ssl
 import time
 from collections.abc import Callable
@@ -24,6 +34,9 @@ from urllib.parse import urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024
 _NO_CONTEXT = contextvars.Context()  # where a deadline's callback runs (it reads no context variable)
+
+
+_READ_BYTES = 256 * 1024  # what asyncio's socket transport reads at a time
 
 
 class ReplyDropped(ConnectionError):
@@ -88,13 +101,135 @@ def _parse_head(head: bytes, reply: _Reply) -> None:
         reply.keep_alive = False  # the body runs until the server closes
 
 
+class _SocketTransport:
+    """The part of an asyncio transport a ``_Connection`` uses, on a connected non-blocking socket:
+    the socket is read whenever the selector says so and written directly, the rest of a write
+    kept until the socket takes it. As with asyncio's transports, ``connection_lost`` is called
+    from the loop, never from inside a ``write`` or ``close``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, protocol: _Connection) -> None:
+        self._loop = loop
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._protocol = protocol
+        self._unsent: memoryview | None = None  # what the socket has not taken yet
+        self._closing = False
+        protocol.connection_made(self)
+        loop.add_reader(self._fd, self._read_ready)
+
+    def write(self, data: bytes) -> None:
+        if self._closing:
+            return
+        if self._unsent is not None:  # one request at a time: only if a caller writes twice
+            self._unsent = memoryview(bytes(self._unsent) + data)
+            return
+        try:
+            sent = self._sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self._lose(exc)
+            return
+        if sent < len(data):
+            self._unsent = memoryview(data)[sent:]  # a view: no copy of a large request per partial send
+            self._loop.add_writer(self._fd, self._write_ready)
+
+    def _write_ready(self) -> None:
+        try:
+            sent = self._sock.send(self._unsent)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._lose(exc)
+            return
+        self._unsent = self._unsent[sent:]
+        if not self._unsent:
+            self._unsent = None
+            self._loop.remove_writer(self._fd)
+
+    def _read_ready(self) -> None:
+        try:
+            data = self._sock.recv(_READ_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._lose(exc)
+            return
+        if data:
+            self._protocol.data_received(data)
+        else:  # the server closed its side: a reply read until close ends here, any other is cut
+            self._lose(None)
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        self._lose(None)
+
+    def _lose(self, exc: BaseException | None) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._loop.remove_reader(self._fd)
+        if self._unsent is not None:
+            self._loop.remove_writer(self._fd)
+            self._unsent = None
+        self._sock.close()
+        self._loop.call_soon(self._protocol.connection_lost, exc)
+
+
+def _settle_once(future: asyncio.Future, error: type[BaseException] | None) -> None:
+    """A pending connect's end: the socket became writable, or (``error``) its deadline passed."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error("no connection within the call's deadline"))
+
+
+async def _connect_socket(loop: asyncio.AbstractEventLoop, addresses: list[tuple], deadline: float) -> socket.socket:
+    """A connected non-blocking TCP socket to the first of ``addresses`` (``getaddrinfo`` rows)
+    that accepts; ``TimeoutError`` at the loop time ``deadline``. A connect that completes at once
+    (as on loopback) holds nothing on the loop; a pending one waits on the selector."""
+    errors: list[OSError] = []
+    for family, kind, proto, _, address in addresses:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small requests go out at once
+            code = sock.connect_ex(address)
+            if code in (errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):  # TCP's usual answer, loopback's too
+                writable = loop.create_future()
+                loop.add_writer(sock.fileno(), _settle_once, writable, None)
+                timer = loop.call_at(deadline, _settle_once, writable, TimeoutError, context=_NO_CONTEXT)
+                try:
+                    await writable
+                finally:
+                    timer.cancel()
+                    loop.remove_writer(sock.fileno())
+                code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if code:
+                raise OSError(code, f"connect to {address[0]} port {address[1]}: {os.strerror(code)}")
+            return sock
+        except OSError as exc:
+            sock.close()
+            errors.append(exc)
+        except BaseException:
+            sock.close()
+            raise
+    if len(errors) == 1:
+        raise errors[0]
+    raise ConnectionError(f"no address accepted a connection: {'; '.join(map(str, errors))}")
+
+
 class _Connection(asyncio.Protocol):
     """One connection to one engine, carrying one request at a time. It tells its pool when it
     closes (``on_lost``), so a pool never keeps a dead connection."""
 
     def __init__(self, on_lost: Callable[[_Connection], None], key: tuple) -> None:
         self.key = key
-        self.transport: asyncio.Transport | None = None
+        self.transport: _SocketTransport | asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
         self._on_lost = on_lost
@@ -249,7 +384,7 @@ class _Connection(asyncio.Protocol):
 class _Origin:
     """Where a base URL's requests go, parsed once per URL."""
 
-    __slots__ = ("key", "host", "port", "ssl", "prefix", "host_header")
+    __slots__ = ("key", "host", "port", "ssl", "prefix", "host_header", "addresses")
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
@@ -262,6 +397,7 @@ class _Origin:
         self.key = (parts.scheme, self.host, self.port)
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.host_header = f"Host: {host}:{self.port}\r\n".encode()
+        self.addresses: list[tuple] | None = None  # getaddrinfo's rows, resolved at the first connect
 
 
 class ConnectionPool:
@@ -299,8 +435,7 @@ class ConnectionPool:
             connection = self._take_idle(origin.key)
             reused = connection is not None
             if connection is None:
-                async with asyncio.timeout_at(deadline):
-                    connection = await self._connect(origin)
+                connection = await self._connect(origin, deadline)
             failed = True
             try:
                 status, reply, keep_alive = await connection.send(request, deadline)
@@ -335,16 +470,26 @@ class ConnectionPool:
                 return connection
         return None
 
-    async def _connect(self, origin: _Origin) -> _Connection:
+    async def _connect(self, origin: _Origin, deadline: float) -> _Connection:
         loop = asyncio.get_running_loop()
-        context = None
+        key = origin.key
         if origin.ssl:
             if self._ssl is None:
                 self._ssl = ssl.create_default_context()
-            context = self._ssl
-        key = origin.key
-        _, connection = await loop.create_connection(lambda: _Connection(self._lost, key), origin.host,
-                                                     origin.port, ssl=context)
+            async with asyncio.timeout_at(deadline):
+                _, connection = await loop.create_connection(lambda: _Connection(self._lost, key), origin.host,
+                                                             origin.port, ssl=self._ssl)
+        else:
+            if origin.addresses is None:
+                async with asyncio.timeout_at(deadline):
+                    origin.addresses = await loop.getaddrinfo(origin.host, origin.port, type=socket.SOCK_STREAM)
+            try:
+                sock = await _connect_socket(loop, origin.addresses, deadline)
+            except OSError:
+                origin.addresses = None  # resolved again at the next connect: the engine may have moved
+                raise
+            connection = _Connection(self._lost, key)
+            _SocketTransport(loop, sock, connection)
         self.opened += 1
         self._open.add(connection)
         return connection
