@@ -54,6 +54,9 @@ def test_the_checkpoint_cost_reports_a_file_of_the_raw_bytes(tmp_path):
     for c in (plain, routed):
         assert 1.0 <= c["file_over_raw"] < 1.2, c
         assert c["resident_with_two_snapshots_over_buffer"] < 1.2, c
+        # the untimed first load and the timed one, each (wall, CPU); the ratio is of the timed
+        assert len(c["load_tries_wall_cpu_s"]) == 2 and c["load_s"] == c["load_tries_wall_cpu_s"][1][0], c
+        assert len(c["numpy_load_tries_wall_cpu_s"]) == 1, c
     # an int32 id and a float64 log-prob each, plus the process's fixed costs (about 1 MB) spread over
     # the tokens; a Python list held 68 bytes per token (a pointer and an int, a pointer and a float)
     assert 12 <= plain["live_bytes_per_token"] < 16
