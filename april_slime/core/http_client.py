@@ -120,7 +120,7 @@ class _SocketTransport:
     def write(self, data: bytes) -> None:
         if self._closing:
             return
-        if self._unsent is not None:  # one request at a time: only if a caller writes twice
+        if self._unsent is not None:  # a reply came before its request was all sent: this follows the rest
             self._unsent = memoryview(bytes(self._unsent) + data)
             return
         try:
@@ -190,8 +190,8 @@ def _settle_once(future: asyncio.Future, error: type[BaseException] | None) -> N
 
 async def _connect_socket(loop: asyncio.AbstractEventLoop, addresses: list[tuple], deadline: float) -> socket.socket:
     """A connected non-blocking TCP socket to the first of ``addresses`` (``getaddrinfo`` rows)
-    that accepts; ``TimeoutError`` at the loop time ``deadline``. A connect that completes at once
-    (as on loopback) holds nothing on the loop; a pending one waits on the selector."""
+    that accepts; ``TimeoutError`` at the loop time ``deadline``. A pending connect (the usual
+    case, on loopback too) waits on the selector with one future and one timer."""
     errors: list[OSError] = []
     for family, kind, proto, _, address in addresses:
         sock = socket.socket(family, kind, proto)

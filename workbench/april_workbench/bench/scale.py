@@ -334,7 +334,7 @@ def checkpoint_cost(tokens: int, *, routed: tuple[int, int] | None, folder: Path
         loaded_box.append((fresh, restored))
 
     # one untimed load first: the first touch of a few hundred MB of fresh memory costs this VM
-    # anywhere from 0.1 to 1.3 s of system CPU, whoever reads (a plain readinto of the file alike),
+    # anywhere from 0.1 to 1.7 s of CPU, whoever reads (numpy.load too, first in a fresh process),
     # and numpy's load below reuses the memory these loads freed (the cold try is kept, in tries)
     load_tries: list[tuple[float, float]] = []
     _timed(load, 1, tries=load_tries)
