@@ -46,7 +46,7 @@ async def _feed(pieces: list[bytes], *, then_close: bool = False):
     wire = _Wire()
     connection.connection_made(wire)
     loop = asyncio.get_running_loop()
-    waiter = connection.send(b"GET / HTTP/1.1\r\n\r\n", loop.time() + 60)
+    waiter = connection.send(b"GET / HTTP/1.1\r\n\r\n", loop.time() + 60, 60)
     for piece in pieces:
         if waiter.done():
             break
@@ -113,7 +113,7 @@ async def test_bytes_that_come_after_the_call_was_given_up_close_the_connection(
     wire = _Wire()
     connection.connection_made(wire)
     loop = asyncio.get_running_loop()
-    waiter = connection.send(b"GET / HTTP/1.1\r\n\r\n", loop.time() + 60)
+    waiter = connection.send(b"GET / HTTP/1.1\r\n\r\n", loop.time() + 60, 60)
     waiter.cancel()
     connection.done(failed=True)
     assert wire.closing

@@ -278,16 +278,17 @@ class _Connection(asyncio.Protocol):
             answered=self._answered))
 
     # --------------------------------------------------------------- the call
-    def send(self, request: bytes, deadline: float) -> asyncio.Future:
+    def send(self, request: bytes, deadline: float, timeout_s: float) -> asyncio.Future:
         """Write ``request``; the future resolves to its reply (status, body, keep-alive) or fails
         with ``ReplyDropped``, ``ConnectionError`` or ``TimeoutError`` at the loop time
-        ``deadline``. ``done()`` must follow, however the wait ends."""
+        ``deadline``, the end of the call's ``timeout_s`` (which its error names). ``done()`` must
+        follow, however the wait ends."""
         loop = asyncio.get_running_loop()
         self._waiter = waiter = loop.create_future()
         self._reply, self._answered = None, False
         # one timer and no closure per call: the deadline is the connection's own state, and the
         # callback needs no context variables (a context of its own would be copied per call)
-        self._timeout_s = deadline - loop.time()
+        self._timeout_s = timeout_s  # the call's own, not what its connect left of it
         self._timer = loop.call_at(deadline, self._time_out_callback, context=_NO_CONTEXT)
         self.transport.write(request)
         return waiter
@@ -304,7 +305,7 @@ class _Connection(asyncio.Protocol):
     def _time_out(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
-            waiter.set_exception(TimeoutError(f"no reply within {self._timeout_s:.3g} s"))
+            waiter.set_exception(TimeoutError(f"no reply within {self._timeout_s:g} s"))
 
     def close(self) -> None:
         self.closed = True
@@ -438,7 +439,7 @@ class ConnectionPool:
                 connection = await self._connect(origin, deadline)
             failed = True
             try:
-                status, reply, keep_alive = await connection.send(request, deadline)
+                status, reply, keep_alive = await connection.send(request, deadline, timeout_s)
                 failed = False
             except ReplyDropped as exc:
                 if reused and not exc.answered:
