@@ -12,7 +12,7 @@ import socket
 import pytest
 
 from april_slime.core.engine import EngineClient
-from april_slime.core.http_client import ConnectionPool, ReplyDropped, _Connection
+from april_slime.core.http_client import ConnectionPool, ReplyDropped, _Connection, _SocketTransport
 from april_slime.core.transport import KEEPALIVE_S, HttpTransport
 
 JSON_OK = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"ok": [1]}'
@@ -333,6 +333,24 @@ async def test_a_request_larger_than_the_sockets_buffers_is_sent_whole():
         assert await pool.request("POST", server.url, "/generate", b"{}", 60.0) == (200, bytearray(b'{"ok": [1]}'))
         assert (server.connections, len(server.requests)) == (1, 2)  # the same connection, reused after
         pool.close()
+
+
+async def test_a_request_the_socket_refuses_fails_its_call_with_the_reason_and_leaves_the_loop():
+    loop = asyncio.get_running_loop()
+    selector = loop._selector
+    registered = len(selector.get_map())
+    ours, engines = socket.socketpair()
+    ours.setblocking(False)
+    lost: list[_Connection] = []
+    connection = _Connection(lost.append, ("http", "engine", 0))
+    _SocketTransport(loop, ours, connection)
+    engines.close()  # the engine went away before the request goes out: the send itself fails
+    waiter = connection.send(b"GET / HTTP/1.1\r\n\r\n", loop.time() + 60, 60)
+    with pytest.raises(ReplyDropped, match="before replying: .*Broken pipe") as caught:
+        await waiter
+    connection.done(failed=True)
+    assert not caught.value.answered and lost == [connection] and connection.closed
+    assert len(selector.get_map()) == registered  # neither a reader nor a writer is left behind
 
 
 async def test_a_url_with_a_path_prefix_keeps_it():

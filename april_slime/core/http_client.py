@@ -123,29 +123,30 @@ class _SocketTransport:
         if self._unsent is not None:  # a reply came before its request was all sent: this follows the rest
             self._unsent = memoryview(bytes(self._unsent) + data)
             return
-        try:
-            sent = self._sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError as exc:
-            self._lose(exc)
-            return
-        if sent < len(data):
+        sent = self._send(data)
+        if sent is not None and sent < len(data):
             self._unsent = memoryview(data)[sent:]  # a view: no copy of a large request per partial send
             self._loop.add_writer(self._fd, self._write_ready)
 
     def _write_ready(self) -> None:
-        try:
-            sent = self._sock.send(self._unsent)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            self._lose(exc)
+        sent = self._send(self._unsent)
+        if sent is None:
             return
         self._unsent = self._unsent[sent:]
         if not self._unsent:
             self._unsent = None
             self._loop.remove_writer(self._fd)
+
+    def _send(self, data: bytes | memoryview) -> int | None:
+        """What the socket took of ``data`` now (0 when its buffer is full); None when the
+        connection was lost instead."""
+        try:
+            return self._sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            self._lose(exc)
+            return None
 
     def _read_ready(self) -> None:
         try:
